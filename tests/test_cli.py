@@ -1,0 +1,26 @@
+import json
+import subprocess
+import sys
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "fedrl.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_help_lists_subcommands():
+    out = run("--help")
+    assert out.returncode == 0
+    for name in ("models", "prepare", "eval"):
+        assert name in out.stdout
+
+
+def test_eval_prints_json_metric():
+    out = run("eval", "--model", "tiny-base", "--task", "reversal", "--task-params", '{"length": 4}', "--limit", "32")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["problems"] == 16 and result["greedy_error"] <= 0.1
+
+
+def test_bad_task_is_a_clear_error():
+    out = run("eval", "--task", "chess")
+    assert out.returncode == 2 and "unknown task" in out.stderr
