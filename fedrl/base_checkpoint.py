@@ -1,6 +1,6 @@
 """The tiny model's base checkpoint: fedrl's own short supervised pretraining.
 
-An easier variant of token reversal (short prompts, H <= `max_length`), trained with
+An easier variant of token reversal (prompts of 2..7 symbols), trained with
 cross-entropy for a fixed budget, gives a model that reverses short strings and only
 partly generalises to the RL task's longer ones: RL has something real to improve.
 Deterministic from the recipe (seeded, single-threaded), built once and cached.
@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedrl.models import LoadedModel, cache_dir, publish_dir, tiny_model
+from fedrl.models import LoadedModel, cache_dir, publish_dir, tiny_config, tiny_model
+from fedrl.tokenizer import CharTokenizer
 from fedrl.rollout import left_pad
 
 
@@ -24,14 +25,16 @@ from fedrl.rollout import left_pad
 class BaseRecipe:
     seed: int = 0
     min_length: int = 2
-    max_length: int = 8
+    max_length: int = 7
     num_symbols: int = 2
     steps: int = 400
     batch_size: int = 64
     lr: float = 3e-3
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        """Names the cached checkpoint: changes with the recipe and with the tiny architecture."""
+        arch = tiny_config(CharTokenizer().vocab_size).to_json_string()
+        return hashlib.sha256((json.dumps(asdict(self), sort_keys=True) + arch).encode()).hexdigest()[:12]
 
 
 def supervised_batch(recipe: BaseRecipe, rng: np.random.Generator, tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

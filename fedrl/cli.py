@@ -50,6 +50,18 @@ def cmd_eval(args) -> int:
     return 0
 
 
+BENCHMARKS = {
+    "dg": "DG vs REINFORCE, IW-PG, PPO, decoupled PPO under frictions (reversal, digits)",
+    "pulse": "sparse patch codec on real RL updates: sparsity, ratio, throughput, bit-identity",
+}
+
+
+def cmd_bench(args) -> int:
+    import importlib
+
+    return importlib.import_module(f"fedrl.bench.{args.bench}").main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedrl", description=__import__("fedrl").__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -69,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N held-out problems")
     p.add_argument("--batch-size", type=int, default=64)
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("bench", help="run a benchmark; writes JSON and a PNG")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name, help_text in BENCHMARKS.items():
+        b = bench.add_parser(name, help=help_text)
+        b.add_argument("--quick", action="store_true", help="a reduced run (under a minute)")
+        b.add_argument("--out", default=f"runs/bench-{name}.json", help="JSON output path (PNG beside it)")
+        b.add_argument("--workers", type=int, default=2, help="processes running cases side by side")
+        __import__(f"fedrl.bench.{name}", fromlist=["add_arguments"]).add_arguments(b)
+        b.set_defaults(func=cmd_bench)
     return parser
 
 

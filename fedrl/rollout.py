@@ -6,7 +6,7 @@ right-padded after <eos>. The learner later recomputes log-probs on the same ten
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -30,15 +30,28 @@ class Rollouts:
     problems: list[Problem]  # (B,) the problem of each row
     answers: list[str]  # (B,) decoded answers
     version: torch.Tensor  # (B,) policy version that produced each row
-    rewards: torch.Tensor = field(default=None)  # (B,) filled by `score`
+    answer_start: int  # first answer column
+    allowed: torch.Tensor | None = None  # (V,) the answer vocabulary under constrained decoding
+    rewards: torch.Tensor | None = None  # (B,) filled by `score`
 
-    @property
-    def prompt_len(self) -> int:
-        return self.input_ids.shape[1] - self.answer_mask.shape[1] + self._answer_cols
+    def overwrite_answer(self, row: int, token_ids: Sequence[int], text: str, logp: torch.Tensor | float) -> None:
+        """Replace one row's answer (truncated to the answer columns); `logp` is what the actor reports."""
+        width = self.input_ids.shape[1] - self.answer_start
+        tokens = torch.as_tensor(list(token_ids)[:width], dtype=torch.long)
+        n, cols = len(tokens), slice(self.answer_start, None)
+        self.input_ids[row, cols] = 0
+        self.input_ids[row, self.answer_start : self.answer_start + n] = tokens
+        self.attention_mask[row, cols] = 0
+        self.attention_mask[row, self.answer_start : self.answer_start + n] = 1
+        self.answer_mask[row, cols] = self.attention_mask[row, cols]
+        self.behaviour_logp[row, cols] = 0.0
+        values = logp[:n] if torch.is_tensor(logp) else torch.full((n,), float(logp))
+        self.behaviour_logp[row, self.answer_start : self.answer_start + n] = values
+        self.answers[row] = text
 
-    @property
-    def _answer_cols(self) -> int:
-        return self.answer_mask.shape[1]
+
+def restrict(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -67,11 +80,13 @@ def sample_tokens(
     greedy: bool = False,
     generator: torch.Generator | None = None,
     logit_hook: LogitHook | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache.
 
     Returns answer ids (B, A), the log-prob of each under the (possibly hooked) sampling
     distribution (B, A), and a mask (B, A) that is 1 up to and including <eos>.
+    `allowed` (V,) bool restricts answers to some tokens (constrained decoding).
     """
     batch = prompt_ids.shape[0]
     mask = prompt_mask.clone()
@@ -81,7 +96,7 @@ def sample_tokens(
     alive = torch.ones(batch, dtype=torch.bool)
     alive_cols = []
     for step in range(max_new_tokens):
-        logits = logits.float()
+        logits = restrict(logits.float(), allowed)
         if logit_hook is not None:
             logits = logit_hook(logits)
         logp_all = torch.log_softmax(logits, dim=-1)
@@ -117,9 +132,10 @@ def rollout(
     rows = [p for p in problems for _ in range(samples_per_prompt)]
     group = torch.arange(len(problems)).repeat_interleave(samples_per_prompt)
     prompt_ids, prompt_mask = left_pad([lm.prompt_ids(p.prompt, task.chat) for p in rows], lm.pad_token_id)
+    allowed = answer_vocab(lm, task)
     answer, logp, answer_mask = sample_tokens(
         lm.model, prompt_ids, prompt_mask, task.max_answer_tokens, lm.eos_token_id, lm.pad_token_id,
-        greedy=greedy, generator=generator, logit_hook=logit_hook,
+        greedy=greedy, generator=generator, logit_hook=logit_hook, allowed=allowed,
     )
     width = prompt_ids.shape[1]
     input_ids = torch.cat([prompt_ids, answer], 1)
@@ -136,7 +152,20 @@ def rollout(
         problems=rows,
         answers=answers,
         version=torch.full((len(rows),), version, dtype=torch.long),
+        answer_start=width,
+        allowed=allowed,
     )
+
+
+def answer_vocab(lm: LoadedModel, task: Task) -> torch.Tensor | None:
+    """Tasks with a fixed answer alphabet (reversal) are decoded over those symbols only, as in
+    the DG papers where the action space is the M symbols."""
+    symbols = getattr(task, "answer_alphabet", None)
+    if symbols is None or not hasattr(lm.tokenizer, "alphabet"):
+        return None
+    allowed = torch.zeros(lm.tokenizer.vocab_size, dtype=torch.bool)
+    allowed[lm.tokenizer.encode(symbols)] = True
+    return allowed
 
 
 def score(task: Task, batch: Rollouts) -> Rollouts:
@@ -144,10 +173,15 @@ def score(task: Task, batch: Rollouts) -> Rollouts:
     return batch
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """log pi(token_t | tokens_<t) for t >= 1 (column 0 is 0); differentiable."""
+def token_logprobs(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, allowed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log pi(token_t | tokens_<t) for t >= 1 (column 0 is 0); differentiable. With `allowed`,
+    the distribution is the one constrained decoding samples from (use it for answer tokens)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    logp = torch.log_softmax(restrict(logits[:, :-1].float(), allowed), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    if allowed is not None:  # prompt tokens lie outside the answer vocabulary; they are never scored
+        logp = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
     return torch.cat([torch.zeros_like(logp[:, :1]), logp], 1)
 
 

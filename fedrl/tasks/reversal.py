@@ -41,6 +41,10 @@ class ReversalTask:
             raise ValueError("symbol_probs needs one probability per symbol")
 
     @property
+    def answer_alphabet(self) -> str:
+        return "0123456789"[: self.num_symbols]
+
+    @property
     def max_answer_tokens(self) -> int:
         return self.length
 

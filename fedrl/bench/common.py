@@ -1,0 +1,32 @@
+"""Shared benchmark plumbing: run cases on worker processes with a progress bar, write JSON."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from pathlib import Path
+from typing import Callable, Iterable
+
+from tqdm import tqdm
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one thread per case; cases run side by side
+
+
+def run_cases(fn: Callable[[dict], dict], cases: Iterable[dict], workers: int, desc: str) -> list[dict]:
+    cases = list(cases)
+    if workers <= 1:
+        _init_worker()
+        return [fn(c) for c in tqdm(cases, desc=desc)]
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker) as pool:
+        return list(tqdm(pool.imap(fn, cases), total=len(cases), desc=desc))
+
+
+def write_json(data: dict, out: str | Path) -> Path:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+    return out

@@ -1,0 +1,177 @@
+"""`fedrl bench dg`: DG against REINFORCE, IW-PG, PPO and decoupled PPO under frictions.
+
+Token reversal (H=10, M=2) with the tiny transformer trained from scratch, 10 prompts x 10
+samples per step, Adam 3e-4; and digits as a contextual bandit (MLP width 100, batch 100)
+with the actor's weights D steps stale. Friction strengths follow DESIGN.md §4.2.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import asdict
+
+import numpy as np
+import torch
+
+from fedrl.bench.common import run_cases, write_json
+from fedrl.frictions import Actor, Frictions, StalenessBuffer
+from fedrl.learner import Learner, LearnerConfig, lm_update
+from fedrl.losses import LOSSES, PGBatch
+from fedrl.models import tiny_model
+from fedrl.rollout import greedy_error
+from fedrl.tasks import DigitsBandit, ReversalTask
+
+METHODS = list(LOSSES)
+SCENARIOS = {
+    "clean": Frictions(),
+    "staleness": Frictions(staleness=8),
+    "bugs": Frictions(bug_prob=0.1),
+    "corruption": Frictions(reward_noise_prob=0.1),
+    "discovery": Frictions(discovery_prob=0.01),
+    "all": Frictions(staleness=8, bug_prob=0.1, reward_noise_prob=0.1, discovery_prob=0.01),
+}
+PROMPTS, SAMPLES = 10, 10
+
+
+def run_reversal(case: dict) -> dict:
+    """One learner from scratch; greedy sequence error on all 1,024 prompts along the way."""
+    seed, steps = case["seed"], case["steps"]
+    task = ReversalTask(length=10, num_symbols=2, reward_kind="first_error")
+    learner_lm = tiny_model(seed, alphabet="01")
+    actor_lm = tiny_model(seed, alphabet="01")
+    learner = Learner(list(learner_lm.model.parameters()), LearnerConfig(case["method"], lr=3e-4))
+    actor = Actor(actor_lm, task, SCENARIOS[case["scenario"]], seed=seed + 1)
+    rng = np.random.default_rng(seed)
+    actor.sync(dict(learner_lm.model.named_parameters()), 0)
+    curve, start = [], time.perf_counter()
+    for step in range(1, steps + 1):
+        batch = actor.collect(task.sample(PROMPTS, rng), SAMPLES)
+        lm_update(learner, learner_lm.model, batch)
+        actor.sync(dict(learner_lm.model.named_parameters()), step)
+        if step % case["eval_every"] == 0 or step == steps:
+            curve.append([step * PROMPTS * SAMPLES, greedy_error(learner_lm, task)])
+    return {**_meta(case, "reversal"), "episodes": steps * PROMPTS * SAMPLES, "final_error": curve[-1][1],
+            "curve": curve, "wall_s": time.perf_counter() - start}
+
+
+def run_digits(case: dict) -> dict:
+    """Digits bandit: an MLP policy picks a class; the actor's weights are `staleness` steps old."""
+    seed, steps, stale = case["seed"], case["steps"], case["staleness"]
+    task = DigitsBandit()
+    torch.manual_seed(seed)
+    policy = torch.nn.Sequential(torch.nn.Linear(64, 100), torch.nn.ReLU(), torch.nn.Linear(100, 10))
+    actor = torch.nn.Sequential(torch.nn.Linear(64, 100), torch.nn.ReLU(), torch.nn.Linear(100, 10))
+    learner = Learner(list(policy.parameters()), LearnerConfig(case["method"], lr=1e-3))
+    buffer = StalenessBuffer(stale, uniform=False)
+    buffer.push({k: v.clone() for k, v in policy.state_dict().items()})
+    rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
+    x_eval, y_eval = (torch.as_tensor(a) for a in task.eval_arrays())
+    curve, start, batch_size = [], time.perf_counter(), 100
+    for step in range(1, steps + 1):
+        actor.load_state_dict(buffer.get(buffer.sample_age(rng)))
+        x, y = (torch.as_tensor(a) for a in task.sample_arrays(batch_size, rng))
+        with torch.no_grad():
+            behaviour_all = torch.log_softmax(actor(x), -1)
+        action = torch.multinomial(behaviour_all.exp(), 1, generator=gen)
+        reward = (action.squeeze(1) == y).float()
+        logp = torch.log_softmax(policy(x), -1).gather(1, action)
+        batch = PGBatch(logp, reward, torch.zeros(batch_size, dtype=torch.long), torch.ones_like(logp),
+                        behaviour_all.gather(1, action))
+        learner.update(batch)
+        buffer.push({k: v.clone() for k, v in policy.state_dict().items()})
+        if step % case["eval_every"] == 0 or step == steps:
+            with torch.no_grad():
+                curve.append([step * batch_size, (policy(x_eval).argmax(-1) != y_eval).float().mean().item()])
+    return {**_meta(case, f"staleness-{stale}"), "task": "digits", "episodes": steps * batch_size,
+            "final_error": curve[-1][1], "curve": curve, "wall_s": time.perf_counter() - start}
+
+
+def _meta(case: dict, scenario: str) -> dict:
+    return {"task": "reversal", "scenario": case.get("scenario", scenario), "method": case["method"], "seed": case["seed"]}
+
+
+def run_case(case: dict) -> dict:
+    return run_reversal(case) if case["task"] == "reversal" else run_digits(case)
+
+
+def plan(quick: bool, steps: int | None, seeds: int | None, digits_steps: int | None) -> list[dict]:
+    scenarios = ["all"] if quick else list(SCENARIOS)
+    steps = steps or (60 if quick else 1000)
+    seeds = seeds or (1 if quick else 3)
+    digits_steps = digits_steps or (200 if quick else 3000)
+    staleness = [0, 100] if quick else [0, 10, 100, 1000]
+    cases = [
+        {"task": "reversal", "scenario": s, "method": m, "seed": seed, "steps": steps, "eval_every": max(steps // 10, 1)}
+        for s, m, seed in itertools.product(scenarios, METHODS, range(seeds))
+    ]
+    cases += [
+        {"task": "digits", "staleness": d, "method": m, "seed": seed, "steps": digits_steps,
+         "eval_every": max(digits_steps // 10, 1)}
+        for d, m, seed in itertools.product(staleness, METHODS, range(seeds))
+    ]
+    return cases
+
+
+def table(results: list[dict]) -> str:
+    """Mean final error per (task, scenario) row and method column."""
+    rows = sorted({(r["task"], r["scenario"]) for r in results})
+    lines = [f"{'task':9} {'scenario':15} " + " ".join(f"{m:>13}" for m in METHODS)]
+    for task, scenario in rows:
+        cells = []
+        for m in METHODS:
+            errs = [r["final_error"] for r in results if (r["task"], r["scenario"], r["method"]) == (task, scenario, m)]
+            cells.append(f"{100 * np.mean(errs):12.1f}%" if errs else f"{'-':>13}")
+        lines.append(f"{task:9} {scenario:15} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["task"], r["scenario"]) for r in results})
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+    for ax, (task, scenario) in zip(axes.flat, panels):
+        for i, m in enumerate(METHODS):
+            runs = [r for r in results if (r["task"], r["scenario"], r["method"]) == (task, scenario, m)]
+            for j, r in enumerate(runs):
+                xs, ys = zip(*r["curve"])
+                ax.plot(xs, ys, color=f"C{i}", alpha=0.8, label=m if j == 0 else None)
+        ax.set_title(f"{task}: {scenario}")
+        ax.set_xlabel("episodes")
+        ax.set_ylabel("greedy error")
+        ax.set_ylim(-0.02, 1.02)
+    axes.flat[0].legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, help="reversal learner steps per run (default 1000; quick 60)")
+    parser.add_argument("--seeds", type=int, help="seeds per (scenario, method) (default 3; quick 1)")
+    parser.add_argument("--digits-steps", type=int, help="digits bandit steps per run (default 3000; quick 200)")
+
+
+def main(args) -> int:
+    cases = plan(args.quick, args.steps, args.seeds, args.digits_steps)
+    start = time.perf_counter()
+    results = run_cases(run_case, cases, args.workers, "bench dg")
+    out = write_json({
+        "benchmark": "dg", "quick": args.quick, "wall_s": time.perf_counter() - start,
+        "scenarios": {k: asdict(v) for k, v in SCENARIOS.items()},
+        "setup": {"reversal": "H=10 M=2, tiny Llama 3 layers d=64 from scratch, 10x10 per step, Adam 3e-4, reward to first error",
+                  "digits": "MLP 64-100-10, batch 100, Adam 1e-3, actor weights D steps stale"},
+        "results": results,
+    }, args.out)
+    plot(results, out.with_suffix(".png"))
+    print(table(results))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0

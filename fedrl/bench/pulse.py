@@ -1,0 +1,185 @@
+"""`fedrl bench pulse`: the patch codec on real RL updates.
+
+Trajectories of bf16 weights from real DG training (fp32 master weights, bf16 cast after
+every step, as PULSE measures): the tiny model's full weights, one layer block of
+SmolLM2-135M-Instruct on 2-digit addition, and LoRA adapters. For each learning rate and
+k in {1..32}, a patch from step t to step t+k, against full sync, zstd of the full tensors
+and raw COO; encode/decode throughput beside a warm memcpy of the same tensors.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import zstandard
+from tqdm import tqdm
+
+from fedrl.bench.common import write_json
+from fedrl.learner import Learner, LearnerConfig, lm_update
+from fedrl.lora import LoraSettings, add_lora
+from fedrl.models import load_model
+from fedrl.patch import apply_patch, encode_patch, state_hash, to_bits
+from fedrl.rollout import rollout, score
+from fedrl.tasks import AdditionTask, ReversalTask
+
+
+def bf16_trajectory(lm, task, params: dict[str, torch.nn.Parameter], lr: float, steps: int,
+                    prompts: int, samples: int, seed: int, desc: str) -> list[dict]:
+    """bf16 casts of `params` before training and after each DG step."""
+    torch.manual_seed(seed)
+    for p in lm.model.parameters():
+        p.requires_grad_(False)
+    for p in params.values():
+        p.requires_grad_(True)
+    learner = Learner(list(params.values()), LearnerConfig("dg", lr=lr))
+    rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
+    snap = lambda: {n: p.detach().to(torch.bfloat16).clone() for n, p in params.items()}
+    out = [snap()]
+    for _ in tqdm(range(steps), desc=desc, leave=False):
+        batch = score(task, rollout(lm, task, task.sample(prompts, rng), samples, generator=gen))
+        lm_update(learner, lm.model, batch)
+        out.append(snap())
+    return out
+
+
+def measure(name: str, lr: float, k: int, traj: list[dict], level: int, timed: bool) -> dict:
+    """Average over the (t, t+k) pairs of one trajectory; timings on the first pair."""
+    pairs = [(t, t + k) for t in range(0, len(traj) - k, k)][:4]
+    dense = sum(t.numel() * t.element_size() for t in traj[0].values())
+    sparsity, patch_bytes, zstd_bytes, coo_bytes, identical = [], [], [], [], True
+    for a, b in pairs:
+        base, new = traj[a], traj[b]
+        changed = sum(int(np.count_nonzero(to_bits(base[n]) != to_bits(new[n]))) for n in base)
+        numel = sum(t.numel() for t in base.values())
+        patch = encode_patch(base, new, a, b, level=level)
+        identical &= state_hash(apply_patch(base, patch)) == state_hash(new)
+        sparsity.append(1 - changed / numel)
+        patch_bytes.append(len(patch))
+        zstd_bytes.append(sum(len(zstandard.ZstdCompressor(level=level).compress(to_bits(t).tobytes())) for t in new.values()))
+        coo_bytes.append(max(changed * (4 + 4 + 2), 1))  # int32 row, int32 col, bf16 value (PULSE's baseline)
+    case = {
+        "name": name, "dtype": "bfloat16", "lr": lr, "k": k, "pairs": len(pairs), "dense_bytes": dense,
+        "patch_bytes": float(np.mean(patch_bytes)), "sparsity": float(np.mean(sparsity)),
+        "ratio": dense / float(np.mean(patch_bytes)), "ratio_zstd_dense": dense / float(np.mean(zstd_bytes)),
+        "ratio_raw_coo": dense / float(np.mean(coo_bytes)), "bit_identical": bool(identical),
+    }
+    if timed:
+        case.update(throughput(traj[pairs[0][0]], traj[pairs[0][1]], level, dense))
+    return case
+
+
+def throughput(base: dict, new: dict, level: int, dense: int, repeats: int = 3) -> dict:
+    """MB/s of dense model bytes on one thread; hashes of held states are known, as in use."""
+    base_hash, new_hash = state_hash(base), state_hash(new)
+    targets = {n: torch.empty_like(t) for n, t in new.items()}
+    for t in targets.values():
+        t.fill_(1)  # warm the destination pages
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return dense / min(times) / 1e6
+
+    patch = encode_patch(base, new, 0, 1, level=level, base_hash=base_hash)
+    return {
+        "encode_mb_s": best(lambda: encode_patch(base, new, 0, 1, level=level, base_hash=base_hash)),
+        "decode_mb_s": best(lambda: apply_patch(base, patch, base_hash=base_hash)),
+        "memcpy_mb_s": best(lambda: [targets[n].copy_(t) for n, t in new.items()]),
+        "sha256_mb_s": best(lambda: state_hash(new)),
+    }
+
+
+def tiny_cases(lrs, ks, steps, level) -> list[dict]:
+    task = ReversalTask(length=8)
+    cases = []
+    for lr in lrs:
+        lm = load_model("tiny-base")
+        traj = bf16_trajectory(lm, task, dict(lm.model.named_parameters()), lr, steps, 10, 10, 0, f"tiny lr={lr:g}")
+        cases += [measure("tiny-full", lr, k, traj, level, timed=True) for k in ks if k < len(traj)]
+    return cases
+
+
+def lora_cases(lrs, ks, steps, level) -> list[dict]:
+    task = ReversalTask(length=8)
+    cases = []
+    for lr in lrs:
+        lm = load_model("tiny-base")
+        lm.model = add_lora(lm.model, LoraSettings(rank=8))
+        params = {n: p for n, p in lm.model.named_parameters() if "lora_" in n}
+        traj = bf16_trajectory(lm, task, params, lr, steps, 10, 10, 0, f"lora lr={lr:g}")
+        cases += [measure("tiny-lora", lr, k, traj, level, timed=True) for k in ks if k < len(traj)]
+    return cases
+
+
+def smollm2_cases(lrs, ks, steps, level, layers=range(0, 6)) -> list[dict]:
+    """Full-weight updates of one block of layers of SmolLM2-135M at RL learning rates."""
+    task = AdditionTask()
+    cases = []
+    for lr in lrs:
+        lm = load_model("smollm2-135m")
+        prefixes = tuple(f"model.layers.{i}." for i in layers)
+        params = {n: p for n, p in lm.model.named_parameters() if n.startswith(prefixes)}
+        traj = bf16_trajectory(lm, task, params, lr, steps, 4, 4, 0, f"smollm2 block lr={lr:g}")
+        cases += [measure("smollm2-135m-block", lr, k, traj, level, timed=True) for k in ks if k < len(traj)]
+    return cases
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--level", type=int, default=1, help="zstd level")
+    parser.add_argument("--smollm2-steps", type=int, default=16, help="DG steps per lr on SmolLM2 (full mode)")
+
+
+def table(cases: list[dict]) -> str:
+    head = f"{'case':20} {'lr':>7} {'k':>3} {'sparsity':>9} {'ratio':>8} {'zstd':>6} {'coo':>7} {'enc MB/s':>9} {'dec MB/s':>9} {'memcpy':>8} {'exact':>6}"
+    rows = [head]
+    for c in cases:
+        rows.append(f"{c['name']:20} {c['lr']:7.0e} {c['k']:3d} {100 * c['sparsity']:8.2f}% {c['ratio']:8.1f} "
+                    f"{c['ratio_zstd_dense']:6.2f} {c['ratio_raw_coo']:7.1f} {c.get('encode_mb_s', 0):9.0f} "
+                    f"{c.get('decode_mb_s', 0):9.0f} {c.get('memcpy_mb_s', 0):8.0f} {str(c['bit_identical']):>6}")
+    return "\n".join(rows)
+
+
+def plot(cases: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (name, lr) in enumerate(sorted({(c["name"], c["lr"]) for c in cases})):
+        cs = sorted((c for c in cases if (c["name"], c["lr"]) == (name, lr)), key=lambda c: c["k"])
+        ks = [c["k"] for c in cs]
+        axes[0].plot(ks, [100 * c["sparsity"] for c in cs], "o-", color=f"C{i % 10}", label=f"{name} lr={lr:g}")
+        axes[1].plot(ks, [c["ratio"] for c in cs], "o-", color=f"C{i % 10}")
+    for ax, label in zip(axes, ("sparsity (% unchanged bf16 values)", "compression ratio (dense / patch)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("k (steps between versions)")
+        ax.set_ylabel(label)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    torch.set_num_threads(1)
+    if args.quick:
+        ks = [1, 4, 8]
+        cases = tiny_cases([1e-6, 1e-4], ks, 8, args.level) + lora_cases([1e-4], ks, 8, args.level)
+    else:
+        ks = [1, 2, 4, 8, 16, 32]
+        cases = tiny_cases([1e-6, 3e-6, 1e-5, 1e-4], ks, 64, args.level)
+        cases += lora_cases([1e-5, 1e-4, 1e-3], ks, 64, args.level)
+        ks_smol = [k for k in ks if k < args.smollm2_steps]
+        cases += smollm2_cases([1e-6, 3e-6], ks_smol, args.smollm2_steps, args.level)
+    out = write_json({"benchmark": "pulse", "quick": args.quick, "level": args.level, "cases": cases}, args.out)
+    plot(cases, out.with_suffix(".png"))
+    print(table(cases))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0

@@ -1,0 +1,146 @@
+"""Versions, anchors and the cheapest way for a receiver to reach the newest state.
+
+The publisher keeps the states it needs (anchors every N versions and a few recent ones)
+and emits a patch per new version, an anchor every N versions, and skip patches
+(v_old -> v_new directly) on request. A receiver ranks the ways to reach a target from
+what it holds (its own version, or nothing) and falls back to the next on any failure.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+from fedrl.patch import PatchError, apply_patch, encode_patch, state_hash
+
+
+@dataclass(frozen=True)
+class PatchRef:
+    base_version: int | None  # None: an anchor (full state)
+    target_version: int
+    size: int
+    key: str  # where to fetch it (a content hash in the patch store)
+
+
+def cheapest_path(refs: list[PatchRef], start: int | None, target: int) -> list[PatchRef] | None:
+    """Fewest bytes from `start` (None = holding nothing) to `target` over the refs (Dijkstra)."""
+    edges = collections.defaultdict(list)
+    for r in refs:
+        edges[r.base_version].append(r)
+    best = {start: 0}
+    queue = [(0, 0, start, [])]
+    tie = 0
+    while queue:
+        cost, _, node, path = heapq.heappop(queue)
+        if node == target and path:
+            return path
+        if cost > best.get(node, float("inf")):
+            continue
+        for r in edges[node]:
+            nxt = cost + r.size
+            if nxt < best.get(r.target_version, float("inf")):
+                best[r.target_version] = nxt
+                tie += 1
+                heapq.heappush(queue, (nxt, tie, r.target_version, path + [r]))
+    return None
+
+
+def sync_plans(refs: list[PatchRef], held_version: int | None, target: int) -> list[list[PatchRef]]:
+    """Distinct ways to reach `target`, cheapest first: from the held version, from an anchor,
+    and the anchor of the target itself (a full sync)."""
+    candidates = []
+    if held_version is not None:
+        candidates.append(cheapest_path(refs, held_version, target))
+    candidates.append(cheapest_path(refs, None, target))
+    candidates += [[r] for r in refs if r.base_version is None and r.target_version == target]
+    plans, seen = [], set()
+    for plan in sorted((p for p in candidates if p), key=lambda p: sum(r.size for r in p)):
+        ident = tuple(r.key for r in plan)
+        if ident not in seen:
+            seen.add(ident)
+            plans.append(plan)
+    return plans
+
+
+class SyncFailed(RuntimeError):
+    pass
+
+
+def synchronize(
+    held: Mapping[str, torch.Tensor] | None,
+    held_version: int | None,
+    target: int,
+    refs: list[PatchRef],
+    fetch: Callable[[PatchRef], bytes],
+) -> tuple[dict[str, torch.Tensor], list[PatchRef]]:
+    """Reach `target` by the cheapest plan that verifies; returns the state and the plan used.
+
+    A plan whose fetch fails (OSError) or whose patch does not verify (PatchError) is abandoned
+    and the next is tried; the held state is never modified."""
+    if held_version == target and held is not None:
+        return dict(held), []
+    errors = []
+    held_hash = state_hash(held) if held else None
+    for plan in sync_plans(refs, held_version if held else None, target):
+        state, known_hash = (held, held_hash) if plan[0].base_version is not None else (None, None)
+        try:
+            for ref in plan:
+                state = apply_patch(state, fetch(ref), base_hash=known_hash)
+                known_hash = None
+            return state, plan
+        except (PatchError, OSError) as err:
+            errors.append(f"v{plan[0].base_version}->v{target} via {len(plan)} patch(es): {err}")
+    raise SyncFailed(f"no way to reach v{target}: " + ("; ".join(errors) or "no patches lead there"))
+
+
+class PatchPublisher:
+    """Produces the patches for each new global version and keeps what later patches need."""
+
+    def __init__(self, anchor_every: int = 10, keep_recent: int = 8, level: int = 1):
+        if anchor_every < 1 or keep_recent < 1:
+            raise ValueError("anchor_every and keep_recent must be >= 1")
+        self.anchor_every, self.level = anchor_every, level
+        self.recent: collections.OrderedDict[int, tuple[dict, str]] = collections.OrderedDict()
+        self.anchors: dict[int, tuple[dict, str]] = {}
+        self.keep_recent = keep_recent
+
+    @property
+    def latest_version(self) -> int | None:
+        return next(reversed(self.recent), None)
+
+    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> list[tuple[int | None, int, bytes]]:
+        """(base_version, target_version, patch bytes) to store for `version`."""
+        if self.latest_version is not None and version <= self.latest_version:
+            raise ValueError(f"version {version} is not newer than {self.latest_version}")
+        state = {k: v.detach().clone() for k, v in state.items()}
+        digest = state_hash(state)
+        out = []
+        if self.latest_version is not None:
+            prev_version = self.latest_version
+            prev, prev_hash = self.recent[prev_version]
+            out.append((prev_version, version, encode_patch(prev, state, prev_version, version, self.level, prev_hash, digest)))
+        if not self.anchors or version % self.anchor_every == 0:
+            self.anchors[version] = (state, digest)
+            out.append((None, version, encode_patch(None, state, None, version, self.level, target_hash=digest)))
+        self.recent[version] = (state, digest)
+        while len(self.recent) > self.keep_recent:
+            self.recent.popitem(last=False)
+        return out
+
+    def skip_patch(self, from_version: int) -> bytes:
+        """A patch straight from a retained `from_version` to the latest (a returning client's one download)."""
+        base = self.recent.get(from_version) or self.anchors.get(from_version)
+        if base is None:
+            raise KeyError(f"version {from_version} is no longer retained")
+        target = self.latest_version
+        new, new_hash = self.recent[target]
+        return encode_patch(base[0], new, from_version, target, self.level, base[1], new_hash)
+
+    def full(self) -> bytes:
+        """An anchor of the latest version (a full sync)."""
+        new, new_hash = self.recent[self.latest_version]
+        return encode_patch(None, new, None, self.latest_version, self.level, target_hash=new_hash)

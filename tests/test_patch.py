@@ -1,0 +1,215 @@
+import struct
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedrl.patch import (
+    BaseMismatch, CorruptPatch, PatchError, PatchLimits, PatchTooLarge, TargetMismatch, TensorMismatch,
+    TruncatedPatch, UnknownFormat, apply_patch, encode_patch, read_header, state_hash, to_bits,
+)
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def bits_equal(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and np.array_equal(to_bits(a[k]), to_bits(b[k])) for k in a
+    )
+
+
+@st.composite
+def base_and_new(draw):
+    """Random tensors, dtypes and change masks; special bit patterns mixed in."""
+    n = draw(st.integers(1, 4))
+    base, new = {}, {}
+    for i in range(n):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(1, 40), min_size=0, max_size=3)))
+        seed = draw(st.integers(0, 2**31))
+        g = torch.Generator().manual_seed(seed)
+        b = torch.randn(shape, generator=g).to(dtype)
+        frac = draw(st.sampled_from([0.0, 0.001, 0.01, 0.3, 1.0]))
+        mask = torch.rand(shape, generator=g) < frac
+        step = draw(st.sampled_from(["ulp", "random", "special"]))
+        if step == "ulp":
+            nb = torch.nextafter(b.float(), torch.full_like(b.float(), float("inf"))).to(dtype)
+            nb = torch.where(nb == b, -b, nb)
+        elif step == "random":
+            nb = torch.randn(shape, generator=g).to(dtype)
+        else:  # NaN payloads, signed zeros, infinities
+            specials = torch.tensor([float("nan"), -0.0, 0.0, float("inf"), -float("inf")]).to(dtype)
+            nb = specials[torch.randint(0, 5, shape, generator=g)]
+        new_t = torch.where(mask, nb, b)
+        base[f"t{i}"], new[f"t{i}"] = b, new_t
+    return base, new
+
+
+@settings(max_examples=150, deadline=None)
+@given(base_and_new(), st.integers(1, 3))
+def test_round_trip_is_bit_identical(pair, level):
+    base, new = pair
+    patch = encode_patch(base, new, 3, 4, level=level)
+    assert bits_equal(apply_patch(base, patch), new)
+    anchor = encode_patch(None, new, None, 4)
+    assert bits_equal(apply_patch(None, anchor), new)
+    assert read_header(patch).target_hash == state_hash(new)
+
+
+def test_nan_payload_bits_survive():
+    base = {"w": torch.zeros(8, dtype=torch.float32)}
+    new = {"w": torch.tensor(np.array([0x7FC00001, 0x7FC00002, 0x80000000, 0, 1, 2, 3, 0xFF800000], dtype=np.uint32).view(np.float32))}
+    assert bits_equal(apply_patch(base, encode_patch(base, new, 0, 1)), new)
+
+
+def test_modes_chosen_per_tensor():
+    g = torch.Generator().manual_seed(0)
+    base = {k: torch.randn(1000, generator=g).bfloat16() for k in ("same", "ulp", "steps", "far", "dense")}
+    new = {k: v.clone() for k, v in base.items()}
+    new["ulp"].view(torch.int16)[::50] += 1
+    new["ulp"].view(torch.int16)[1::50] -= 1
+    new["steps"].view(torch.int16)[::50] += 3
+    new["far"][::50] = torch.randn(20, generator=g).bfloat16()
+    new["dense"] = torch.randn(1000, generator=g).bfloat16()
+    patch = encode_patch(base, new, 0, 1)
+    modes = {e["name"]: e["mode"] for e in read_header(patch).tensors}
+    assert modes == {"same": "same", "ulp": "ulp1", "steps": "bitdiff", "far": "raw", "dense": "dense"}
+    assert bits_equal(apply_patch(base, patch), new)
+
+
+def test_specific_errors():
+    base = {"w": torch.randn(64).bfloat16()}
+    new = {"w": base["w"].clone()}
+    new["w"].view(torch.int16)[3] += 1
+    patch = encode_patch(base, new, 0, 1)
+    other = {"w": torch.randn(64).bfloat16()}
+    with pytest.raises(BaseMismatch):
+        apply_patch(other, patch)
+    with pytest.raises(TruncatedPatch):
+        apply_patch(base, patch[:-5])
+    with pytest.raises(CorruptPatch):
+        apply_patch(base, patch + b"\0")
+    with pytest.raises(UnknownFormat):
+        apply_patch(base, b"NOPE" + patch[4:])
+    with pytest.raises(UnknownFormat, match="format 9"):
+        apply_patch(base, patch[:4] + bytes([9]) + patch[5:])
+    with pytest.raises(PatchTooLarge):
+        apply_patch(base, patch, limits=PatchLimits(max_patch_bytes=10))
+    with pytest.raises(PatchTooLarge):
+        apply_patch(base, patch, limits=PatchLimits(max_body_bytes=10))
+    with pytest.raises(TensorMismatch):
+        encode_patch(base, {"v": new["w"]}, 0, 1)
+    renamed = {"v": base["w"].clone()}
+    with pytest.raises(BaseMismatch):
+        apply_patch(renamed, patch)
+    with pytest.raises(TensorMismatch):
+        apply_patch(renamed, patch, base_hash=state_hash(base))  # claims the right hash, holds other tensors
+
+
+def test_zip_bomb_is_refused_before_decompressing():
+    body = b"\0" * (64 << 20)
+    frame = zstandard.ZstdCompressor(level=19).compress(body)
+    bomb = struct.pack("<4sBQ", b"FRLP", 1, len(frame)) + frame
+    assert len(bomb) < 100_000
+    with pytest.raises(PatchTooLarge):
+        apply_patch(None, bomb, limits=PatchLimits(max_body_bytes=1 << 20))
+
+
+# ------------------------------------------------------------------ mutation fuzzer
+
+
+def _rewrap(body: bytes) -> bytes:
+    frame = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(body)
+    return struct.pack("<4sBQ", b"FRLP", 1, len(frame)) + frame
+
+
+def _body(patch: bytes) -> bytes:
+    return zstandard.ZstdDecompressor().decompress(patch[13:])
+
+
+def _fuzz_cases():
+    g = torch.Generator().manual_seed(1)
+    base = {
+        "a": torch.randn(40, 30, generator=g).bfloat16(),
+        "b": torch.randn(500, generator=g).half(),
+        "c": torch.randn(7, generator=g),
+        "d": torch.randn(3, 3, generator=g).bfloat16(),
+    }
+    new = {k: v.clone() for k, v in base.items()}
+    new["a"].view(torch.int16).view(-1)[::13] += 1
+    new["b"].view(torch.int16)[::3] -= 2
+    new["b"][0] = float("nan")
+    new["c"] = torch.randn(7, generator=g)  # dense
+    other = {k: v.clone() for k, v in new.items()}
+    other["d"].view(torch.int16).view(-1)[0] ^= 1
+    return [
+        (base, encode_patch(base, new, 0, 1), new),
+        (None, encode_patch(None, new, None, 1), new),
+        (new, encode_patch(new, other, 1, 2), other),
+    ]
+
+
+def _mutations(patch: bytes, rng: np.random.Generator):
+    kind = rng.integers(6)
+    data = bytearray(patch)
+    if kind == 0:  # flip bits in the wire bytes
+        for _ in range(rng.integers(1, 4)):
+            pos = rng.integers(len(data))
+            data[pos] ^= 1 << rng.integers(8)
+        return bytes(data)
+    if kind == 1:
+        return bytes(data[: rng.integers(len(data))])
+    if kind == 2:
+        return bytes(data) + rng.bytes(int(rng.integers(1, 16)))
+    body = bytearray(_body(patch))
+    (hlen,) = struct.unpack_from("<I", body)
+    if kind == 3:  # flip bits inside the decompressed body (behind a valid checksum)
+        pos = rng.integers(len(body))
+        body[pos] ^= 1 << rng.integers(8)
+        return _rewrap(bytes(body))
+    if kind == 4:  # edit a header number or string
+        header = body[4 : 4 + hlen].decode()
+        digits = [i for i, ch in enumerate(header) if ch.isdigit()]
+        pos = digits[rng.integers(len(digits))]
+        header = header[:pos] + str(rng.integers(10)) + header[pos + 1 :]
+        new_h = header.encode()
+        return _rewrap(struct.pack("<I", len(new_h)) + new_h + bytes(body[4 + hlen :]))
+    # truncate or extend the sections behind the header
+    rest = bytes(body[4 + hlen :])
+    rest = rest[: rng.integers(len(rest) + 1)] if rng.random() < 0.5 else rest + rng.bytes(int(rng.integers(1, 9)))
+    return _rewrap(bytes(body[: 4 + hlen]) + rest)
+
+
+def test_mutation_fuzzer_never_yields_a_wrong_state():
+    rng = np.random.default_rng(0)
+    cases = _fuzz_cases()
+    bases = [c[0] for c in cases if c[0] is not None]
+    outcomes = {"raised": 0, "exact": 0}
+    for i in range(10_500):
+        base, patch, target = cases[i % len(cases)]
+        mutated = _mutations(patch, rng)
+        apply_to = base if rng.random() > 0.05 else bases[rng.integers(len(bases))]  # swapped bases
+        try:
+            out = apply_patch(apply_to, mutated)
+        except PatchError:
+            outcomes["raised"] += 1
+            continue
+        assert bits_equal(out, target), f"mutation {i} produced a wrong state"
+        outcomes["exact"] += 1
+    assert outcomes["raised"] > 9000, outcomes
+
+
+def test_apply_never_modifies_the_base():
+    base, patch, _ = _fuzz_cases()[0]
+    snapshot = {k: v.clone() for k, v in base.items()}
+    apply_patch(base, patch)
+    with pytest.raises(PatchError):
+        apply_patch(base, patch[:-1])
+    assert bits_equal(base, snapshot)
+    with pytest.raises(TargetMismatch):
+        body = bytearray(_body(patch))
+        body[-1] ^= 0x01  # last value byte: structure intact, content wrong
+        apply_patch(base, _rewrap(bytes(body)))

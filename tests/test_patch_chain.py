@@ -1,0 +1,99 @@
+import hashlib
+
+import pytest
+import torch
+
+from fedrl.patch import read_header, state_hash
+from fedrl.patch_chain import PatchPublisher, PatchRef, SyncFailed, cheapest_path, sync_plans, synchronize
+
+
+def states(n):
+    g = torch.Generator().manual_seed(0)
+    s = {"w": torch.randn(2000, generator=g).bfloat16(), "b": torch.randn(300, generator=g).bfloat16()}
+    out = [s]
+    for _ in range(n):
+        s = {k: v.clone() for k, v in s.items()}
+        s["w"].view(torch.int16)[torch.randint(0, 2000, (20,), generator=g)] += 1
+        out.append(s)
+    return out
+
+
+class Store:
+    """An in-memory content-addressed store standing in for the patch store's GET."""
+
+    def __init__(self):
+        self.objects, self.refs = {}, []
+
+    def put(self, base, target, data):
+        key = hashlib.sha256(data).hexdigest()
+        self.objects[key] = data
+        self.refs.append(PatchRef(base, target, len(data), key))
+
+    def fetch(self, ref):
+        if ref.key not in self.objects:
+            raise OSError(f"{ref.key[:8]} not found")
+        return self.objects[ref.key]
+
+
+def publish_all(n, anchor_every=4):
+    pub, store, hist = PatchPublisher(anchor_every=anchor_every, keep_recent=3), Store(), states(n)
+    for v, s in enumerate(hist):
+        for base, target, data in pub.publish(s, v):
+            store.put(base, target, data)
+    return pub, store, hist
+
+
+def test_publisher_emits_deltas_and_anchors_every_n():
+    pub, store, hist = publish_all(9, anchor_every=4)
+    anchors = sorted(r.target_version for r in store.refs if r.base_version is None)
+    deltas = sorted((r.base_version, r.target_version) for r in store.refs if r.base_version is not None)
+    assert anchors == [0, 4, 8]
+    assert deltas == [(v, v + 1) for v in range(9)]
+    with pytest.raises(ValueError):
+        pub.publish(hist[-1], 3)
+
+
+def test_receiver_follows_the_chain_or_the_anchor_bit_identically():
+    pub, store, hist = publish_all(9)
+    state, plan = synchronize(hist[6], 6, 9, store.refs, store.fetch)
+    assert state_hash(state) == state_hash(hist[9]) and [r.target_version for r in plan] == [7, 8, 9]
+    fresh, plan = synchronize(None, None, 9, store.refs, store.fetch)
+    assert state_hash(fresh) == state_hash(hist[9]) and plan[0].base_version is None and plan[0].target_version == 8
+
+
+def test_skip_patch_takes_a_returning_client_there_in_one_download():
+    pub, store, hist = publish_all(9)
+    data = pub.skip_patch(7)
+    store.put(7, 9, data)
+    state, plan = synchronize(hist[7], 7, 9, store.refs, store.fetch)
+    assert len(plan) == 1 and plan[0].base_version == 7 and state_hash(state) == state_hash(hist[9])
+    with pytest.raises(KeyError):
+        pub.skip_patch(1)  # neither recent nor an anchor any more
+    assert read_header(pub.full()).is_anchor
+
+
+def test_corrupted_or_missing_patch_falls_back_to_the_next_plan():
+    pub, store, hist = publish_all(9)
+    bad = next(r for r in store.refs if (r.base_version, r.target_version) == (7, 8))
+    store.objects[bad.key] = store.objects[bad.key][:-3]  # truncated in storage
+    state, plan = synchronize(hist[6], 6, 9, store.refs, store.fetch)
+    assert state_hash(state) == state_hash(hist[9]) and plan[0].base_version is None
+    gone = next(r for r in store.refs if r.base_version is None and r.target_version == 8)
+    del store.objects[gone.key]
+    with pytest.raises(SyncFailed, match="no way to reach v9"):
+        synchronize(hist[6], 6, 9, store.refs, store.fetch)
+
+
+def test_wrong_held_state_is_detected_not_applied():
+    pub, store, hist = publish_all(5)
+    claimed = {k: v.clone() for k, v in hist[3].items()}
+    claimed["b"].view(torch.int16)[0] += 1  # holds something else than v3
+    state, plan = synchronize(claimed, 3, 5, store.refs, store.fetch)
+    assert state_hash(state) == state_hash(hist[5]) and plan[0].base_version is None
+
+
+def test_cheapest_path_prefers_fewer_bytes():
+    refs = [PatchRef(0, 1, 10, "a"), PatchRef(1, 2, 10, "b"), PatchRef(0, 2, 15, "c"), PatchRef(None, 2, 100, "d")]
+    assert [r.key for r in cheapest_path(refs, 0, 2)] == ["c"]
+    assert [[r.key for r in p] for p in sync_plans(refs, 0, 2)] == [["c"], ["d"]]
+    assert cheapest_path(refs, 5, 2) is None
