@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.set_defaults(func=cmd_eval)
 
+    p = sub.add_parser("sim", help="Flower simulation: tiny model, token reversal, 8 mixed clients, parablock async")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--out", help="output folder (default runs/sim-TIMESTAMP)")
+    p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="run config overrides, e.g. mode=block-sequential sync=true")
+    p.set_defaults(func=lambda args: __import__("fedrl.sim.runner", fromlist=["main"]).main(args))
+
     p = sub.add_parser("bench", help="run a benchmark; writes JSON and a PNG")
     bench = p.add_subparsers(dest="bench", required=True, metavar="NAME")
     for name, help_text in BENCHMARKS.items():
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, TimeoutError) as err:
         print(f"fedrl {args.command}: error: {err}", file=sys.stderr)
         return 2
 

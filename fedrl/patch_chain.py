@@ -100,13 +100,13 @@ def synchronize(
 class PatchPublisher:
     """Produces the patches for each new global version and keeps what later patches need."""
 
-    def __init__(self, anchor_every: int = 10, keep_recent: int = 8, level: int = 1):
+    def __init__(self, anchor_every: int = 10, keep_recent: int = 8, level: int = 1, keep_anchors: int = 2):
         if anchor_every < 1 or keep_recent < 1:
             raise ValueError("anchor_every and keep_recent must be >= 1")
         self.anchor_every, self.level = anchor_every, level
         self.recent: collections.OrderedDict[int, tuple[dict, str]] = collections.OrderedDict()
         self.anchors: dict[int, tuple[dict, str]] = {}
-        self.keep_recent = keep_recent
+        self.keep_recent, self.keep_anchors = keep_recent, keep_anchors
 
     @property
     def latest_version(self) -> int | None:
@@ -125,11 +125,18 @@ class PatchPublisher:
             out.append((prev_version, version, encode_patch(prev, state, prev_version, version, self.level, prev_hash, digest)))
         if not self.anchors or version % self.anchor_every == 0:
             self.anchors[version] = (state, digest)
+            for old in sorted(self.anchors)[: -self.keep_anchors]:
+                del self.anchors[old]
             out.append((None, version, encode_patch(None, state, None, version, self.level, target_hash=digest)))
         self.recent[version] = (state, digest)
         while len(self.recent) > self.keep_recent:
             self.recent.popitem(last=False)
         return out
+
+    def state(self, version: int) -> dict | None:
+        """A retained global state (recent or anchor), or None when it is gone."""
+        kept = self.recent.get(version) or self.anchors.get(version)
+        return kept[0] if kept else None
 
     def skip_patch(self, from_version: int) -> bytes:
         """A patch straight from a retained `from_version` to the latest (a returning client's one download)."""

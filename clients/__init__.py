@@ -1,0 +1,1 @@
+"""Client side: the ClientApp (compute and communication threads) and the volunteer SDK."""

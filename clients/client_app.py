@@ -1,0 +1,54 @@
+"""The Flower ClientApp: `train.block` messages run fedrl's two-thread block worker.
+
+Per-node state (local adapter, held global adapter, pending delta) lives in
+`context.state`, which Flower keeps across the messages of a run.
+"""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedrl.clients.block_worker import ClientState, Pending, handle
+from fedrl.protocol import TrainInstruction
+
+app = ClientApp()
+
+
+def _tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in record.to_torch_state_dict().items()}
+
+
+def load_state(state: RecordDict) -> ClientState:
+    if "meta" not in state.config_records:
+        return ClientState()
+    meta = state.config_records["meta"]
+    arrays = state.array_records
+    pending = None
+    if meta["pending_block"] != -2:
+        pending = Pending(int(meta["pending_block"]), int(meta["pending_base_version"]),
+                          _tensors(arrays["pending_base"]), _tensors(arrays["pending_new"]), int(meta["pending_samples"]))
+    return ClientState(_tensors(arrays["local"]), _tensors(arrays["held"]), int(meta["held_version"]), pending)
+
+
+def save_state(state: RecordDict, s: ClientState) -> None:
+    if s.local is None or s.held is None:
+        return
+    p = s.pending
+    state["local"] = ArrayRecord(s.local)
+    state["held"] = ArrayRecord(s.held)
+    if p is not None:
+        state["pending_base"], state["pending_new"] = ArrayRecord(p.base), ArrayRecord(p.new)
+    state["meta"] = ConfigRecord({
+        "held_version": int(s.held_version), "pending_block": p.block if p else -2,
+        "pending_base_version": p.base_version if p else -1, "pending_samples": p.samples if p else 0,
+    })
+
+
+@app.train("block")
+def train_block(msg: Message, context: Context) -> Message:
+    instr = TrainInstruction.from_record(msg.content["instruction"])  # malformed: an error reply
+    report, new_state = handle(instr, load_state(context.state))
+    save_state(context.state, new_state)
+    return Message(RecordDict({"report": ConfigRecord(report.to_record())}), reply_to=msg)

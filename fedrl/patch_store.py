@@ -1,0 +1,201 @@
+"""The patch store: a content-addressed object service on aiohttp (the data plane).
+
+  PUT    /objects/{sha256}        upload; the server recomputes the hash (node or admin credential)
+  GET    /objects/{sha256}        download
+  GET    /objects/{sha256}/meta   size and the principals that uploaded it
+  DELETE /objects/{sha256}        admin only; ?principal=P releases only P's upload of it
+  GET    /catalog                 published global patches: refs, latest version, public key
+  POST   /catalog                 admin only: replace the catalog (objects it drops are deleted)
+
+Credentials: `Authorization: Bearer <token>` with `X-Principal: node-<id>` or `admin`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import ssl
+import threading
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from fedrl.credentials import ADMIN, check_token
+
+HASH_CHARS = set("0123456789abcdef")
+
+
+@dataclass
+class StoredObject:
+    data: bytes
+    uploaders: set[str]  # two nodes may upload identical bytes: each upload stays bound to its node
+
+
+@dataclass
+class StoreState:
+    secret: bytes
+    max_object_bytes: int = 256 << 20
+    max_total_bytes: int = 4 << 30
+    objects: dict[str, StoredObject] = field(default_factory=dict)
+    catalog: dict = field(default_factory=lambda: {"latest": None, "refs": [], "public_key": None})
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(len(o.data) for o in self.objects.values())
+
+
+def _digest(request: web.Request) -> str:
+    digest = request.match_info["digest"]
+    if len(digest) != 64 or set(digest) - HASH_CHARS:
+        raise web.HTTPBadRequest(text="object names are lowercase hex SHA-256 digests (64 characters)")
+    return digest
+
+
+def _principal(request: web.Request, state: StoreState, admin: bool = False) -> str:
+    auth, principal = request.headers.get("Authorization", ""), request.headers.get("X-Principal", "")
+    if not auth.startswith("Bearer ") or not principal:
+        raise web.HTTPUnauthorized(text="missing credential: send Authorization: Bearer <token> and X-Principal")
+    if not check_token(state.secret, principal, auth.removeprefix("Bearer ")):
+        raise web.HTTPForbidden(text=f"credential does not verify for {principal!r}")
+    if admin and principal != ADMIN:
+        raise web.HTTPForbidden(text="this operation needs the coordinator's credential")
+    return principal
+
+
+def make_app(state: StoreState) -> web.Application:
+    routes = web.RouteTableDef()
+
+    @routes.get("/health")
+    async def health(request):
+        return web.json_response({"ok": True, "objects": len(state.objects)})
+
+    @routes.put("/objects/{digest}")
+    async def put(request):
+        digest = _digest(request)
+        principal = _principal(request, state)
+        if request.content_length is not None and request.content_length > state.max_object_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=state.max_object_bytes, actual_size=request.content_length)
+        body = await request.read()  # bounded by client_max_size
+        if hashlib.sha256(body).hexdigest() != digest:
+            raise web.HTTPBadRequest(text="body does not hash to the object name")
+        if digest in state.objects:
+            state.objects[digest].uploaders.add(principal)
+            return web.json_response({"digest": digest, "stored": False}, status=200)
+        if state.total_bytes + len(body) > state.max_total_bytes:
+            raise web.HTTPInsufficientStorage(text="store is full")
+        state.objects[digest] = StoredObject(body, {principal})
+        return web.json_response({"digest": digest, "stored": True}, status=201)
+
+    @routes.get("/objects/{digest}")
+    async def get(request):
+        obj = state.objects.get(_digest(request))
+        if obj is None:
+            raise web.HTTPNotFound(text="no such object")
+        return web.Response(body=obj.data, content_type="application/octet-stream")
+
+    @routes.get("/objects/{digest}/meta")
+    async def meta(request):
+        obj = state.objects.get(_digest(request))
+        if obj is None:
+            raise web.HTTPNotFound(text="no such object")
+        return web.json_response({"size": len(obj.data), "uploaders": sorted(obj.uploaders)})
+
+    @routes.delete("/objects/{digest}")
+    async def delete(request):
+        _principal(request, state, admin=True)
+        digest = _digest(request)
+        obj = state.objects.get(digest)
+        if obj is not None and "principal" in request.query:
+            obj.uploaders.discard(request.query["principal"])
+        published = any(r["key"] == digest for r in state.catalog["refs"])
+        deleted = obj is not None and not published and ("principal" not in request.query or not obj.uploaders)
+        if deleted:
+            del state.objects[digest]
+        return web.json_response({"deleted": deleted})
+
+    @routes.get("/catalog")
+    async def get_catalog(request):
+        return web.json_response(state.catalog)
+
+    @routes.post("/catalog")
+    async def post_catalog(request):
+        _principal(request, state, admin=True)
+        try:
+            catalog = await request.json()
+            refs = catalog["refs"]
+            ok = isinstance(refs, list) and all(
+                isinstance(r, dict) and r.get("key") in state.objects and isinstance(r.get("target_version"), int)
+                for r in refs
+            )
+        except (ValueError, KeyError, TypeError):
+            raise web.HTTPBadRequest(text="catalog must be JSON with a refs list") from None
+        if not ok:
+            raise web.HTTPBadRequest(text="every catalog ref must name a stored object and a target_version")
+        live = {r["key"] for r in refs}
+        for ref in state.catalog["refs"]:
+            if ref["key"] not in live:
+                state.objects.pop(ref["key"], None)
+        state.catalog = {"latest": catalog.get("latest"), "refs": refs, "public_key": catalog.get("public_key")}
+        return web.json_response({"refs": len(refs)})
+
+    app = web.Application(client_max_size=state.max_object_bytes)
+    app.add_routes(routes)
+    return app
+
+
+def ssl_context(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | None:
+    if not certfile:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(certfile, keyfile)
+    return ctx
+
+
+class PatchStoreServer:
+    """Runs the store on its own event loop in a background thread (inside the ServerApp)."""
+
+    def __init__(self, state: StoreState, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None):
+        self.state, self.host, self.port, self.tls = state, host, port, tls
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="patch-store", daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+
+    def start(self) -> "PatchStoreServer":
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("patch store did not start")
+        return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def boot():
+            self._runner = web.AppRunner(make_app(self.state), access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.tls)
+            await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]
+
+        self._loop.run_until_complete(boot())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def serve(host: str, port: int, secret: bytes, certfile: str | None = None, keyfile: str | None = None,
+          max_object_bytes: int = 256 << 20) -> None:
+    """`fedrl patch-store`: the store as its own service (deployments)."""
+    state = StoreState(secret, max_object_bytes=max_object_bytes)
+    print(json.dumps({"patch_store": f"{'https' if certfile else 'http'}://{host}:{port}"}), flush=True)
+    web.run_app(make_app(state), host=host, port=port, ssl_context=ssl_context(certfile, keyfile), print=None)

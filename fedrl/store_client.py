@@ -1,0 +1,122 @@
+"""aiohttp client of the patch store, with transfers shaped by a Link."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ssl
+import threading
+from typing import Any, Coroutine
+
+import aiohttp
+
+from fedrl.sim.link import CHUNK, Link
+
+
+class StoreError(OSError):
+    """The store refused a request or could not be reached; the message says which and why."""
+
+
+class PatchStoreClient:
+    """Use inside one event loop: `async with PatchStoreClient(...) as c: await c.get(key)`."""
+
+    def __init__(self, url: str, principal: str, token: str, link: Link | None = None,
+                 ca_file: str | None = None, timeout_s: float = 300.0):
+        self.url, self.principal, self.token = url.rstrip("/"), principal, token
+        self.link = link or Link()
+        self.ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self):
+        self.session = aiohttp.ClientSession(timeout=self.timeout, headers={
+            "Authorization": f"Bearer {self.token}", "X-Principal": self.principal})
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.session.close()
+
+    async def _check(self, resp: aiohttp.ClientResponse, what: str) -> None:
+        if resp.status >= 400:
+            raise StoreError(f"{what}: HTTP {resp.status} {(await resp.text())[:200]}")
+
+    async def put(self, data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        await self.link.latency()
+
+        async def body():
+            for start in range(0, len(data), CHUNK):
+                chunk = data[start : start + CHUNK]
+                await self.link.send(len(chunk))
+                yield chunk
+
+        try:
+            async with self.session.put(f"{self.url}/objects/{digest}", data=body(), ssl=self.ssl,
+                                        headers={"Content-Length": str(len(data))}) as resp:
+                await self._check(resp, f"upload {digest[:12]}")
+        except aiohttp.ClientError as err:
+            raise StoreError(f"upload {digest[:12]}: {err}") from None
+        return digest
+
+    async def get(self, digest: str, max_bytes: int = 1 << 32) -> bytes:
+        await self.link.latency()
+        parts, size = [], 0
+        try:
+            async with self.session.get(f"{self.url}/objects/{digest}", ssl=self.ssl) as resp:
+                await self._check(resp, f"download {digest[:12]}")
+                async for chunk in resp.content.iter_chunked(CHUNK):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise StoreError(f"download {digest[:12]}: larger than {max_bytes} bytes")
+                    await self.link.receive(len(chunk))
+                    parts.append(chunk)
+        except aiohttp.ClientError as err:
+            raise StoreError(f"download {digest[:12]}: {err}") from None
+        data = b"".join(parts)
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise StoreError(f"download {digest[:12]}: content does not hash to its name")
+        return data
+
+    async def json(self, method: str, path: str, payload: Any = None) -> Any:
+        try:
+            async with self.session.request(method, f"{self.url}{path}", json=payload, ssl=self.ssl) as resp:
+                await self._check(resp, f"{method} {path}")
+                return await resp.json()
+        except aiohttp.ClientError as err:
+            raise StoreError(f"{method} {path}: {err}") from None
+
+    async def catalog(self) -> dict:
+        return await self.json("GET", "/catalog")
+
+    async def meta(self, digest: str) -> dict:
+        return await self.json("GET", f"/objects/{digest}/meta")
+
+    async def publish(self, catalog: dict) -> dict:
+        return await self.json("POST", "/catalog", catalog)
+
+    async def delete(self, digest: str, principal: str | None = None) -> dict:
+        query = f"?principal={principal}" if principal else ""
+        return await self.json("DELETE", f"/objects/{digest}{query}")
+
+
+class BlockingStoreClient:
+    """The same client for synchronous callers (the coordinator): a private loop in a thread."""
+
+    def __init__(self, *args, **kwargs):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="store-client", daemon=True)
+        self._thread.start()
+        self._client = PatchStoreClient(*args, **kwargs)
+        self._call(self._client.__aenter__())
+
+    def _call(self, coro: Coroutine):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __getattr__(self, name):
+        method = getattr(self._client, name)
+        return lambda *a, **k: self._call(method(*a, **k))
+
+    def close(self) -> None:
+        self._call(self._client.__aexit__(None, None, None))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)

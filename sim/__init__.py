@@ -1,0 +1,1 @@
+"""Simulation: client profiles, links and clocks, scenarios, benchmarks and reports."""

@@ -1,0 +1,1 @@
+"""Server side: the ServerApp, the block-coordinate coordinator, aggregation, scheduling, checkpoints."""

@@ -1,0 +1,99 @@
+"""Coordinator checkpoints: atomic, verified, written in the background.
+
+Each checkpoint is `ckpt-VERSION.safetensors` plus `ckpt-VERSION.json` (metadata and the
+SHA-256 of the tensor file). Both are written to a temporary name, fsynced and renamed;
+the JSON goes last, so a checkpoint exists only once it is whole. Saving hands a shallow
+copy of the state to a writer thread: the coordinator replaces tensors when it changes
+them and never mutates them in place, so unchanged tensors are shared, not copied (lazy
+copy). If saves arrive faster than the disk takes them, only the newest waits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, keep: int = 3):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self._pending: tuple | None = None
+        self._cond = threading.Condition()
+        self._busy = False
+        self.saved_versions: list[int] = []
+        self._thread = threading.Thread(target=self._loop, name="checkpointer", daemon=True)
+        self._thread.start()
+
+    def save_async(self, version: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        with self._cond:
+            self._pending = (version, dict(tensors), json.loads(json.dumps(meta)))
+            self._cond.notify()
+
+    def flush(self, timeout: float = 60.0) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None)
+                job, self._pending, self._busy = self._pending, None, True
+            try:
+                self.write(*job)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def write(self, version: int, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
+        stem = self.directory / f"ckpt-{version:08d}"
+        tensor_path = stem.with_suffix(".safetensors")
+        tmp = tensor_path.with_name(tensor_path.name + ".tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, tensor_path)
+        digest = hashlib.sha256(tensor_path.read_bytes()).hexdigest()
+        _fsync_write(stem.with_suffix(".json"), json.dumps({"version": version, "sha256": digest, "meta": meta}).encode())
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self.saved_versions.append(version)
+        for old in sorted(self.directory.glob("ckpt-*.json"))[: -self.keep]:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".safetensors").unlink(missing_ok=True)
+        return tensor_path
+
+
+def load_latest(directory: str | Path) -> tuple[int, dict[str, torch.Tensor], dict] | None:
+    """The newest checkpoint whose tensor file matches its recorded hash; corrupt ones are skipped."""
+    directory = Path(directory)
+    for manifest in sorted(directory.glob("ckpt-*.json"), reverse=True):
+        try:
+            record = json.loads(manifest.read_text())
+            tensor_path = manifest.with_suffix(".safetensors")
+            if hashlib.sha256(tensor_path.read_bytes()).hexdigest() != record["sha256"]:
+                continue
+            return int(record["version"]), load_file(str(tensor_path)), record["meta"]
+        except (OSError, ValueError, KeyError):
+            continue
+    return None

@@ -1,0 +1,76 @@
+"""BlockScheduler: which block each client trains next, and for how many local steps.
+
+Steps are sized from each client's measured seconds per step so that the clients of a
+round finish together (FedCompass's idea): K_i = target_s / s_i, clamped.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+POLICIES = ("cyclic", "random", "lru")
+
+
+@dataclass
+class BlockScheduler:
+    num_blocks: int
+    policy: str = "cyclic"
+    base_steps: int = 8  # steps for a client of median speed
+    min_steps: int = 1
+    max_steps: int = 64
+    seed: int = 0
+    speed: dict[int, float] = field(default_factory=dict)  # node -> EMA seconds per step
+    assigned: dict[int, int] = field(default_factory=dict)  # node -> rounds assigned so far
+    last_update: list[int] = field(default_factory=list)  # block -> version it last changed
+    in_flight: list[int] = field(default_factory=list)  # block -> clients training it now
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.num_blocks < 1 or not 1 <= self.min_steps <= self.base_steps <= self.max_steps:
+            raise ValueError("need num_blocks >= 1 and 1 <= min_steps <= base_steps <= max_steps")
+        self.last_update = self.last_update or [-1] * self.num_blocks
+        self.in_flight = self.in_flight or [0] * self.num_blocks
+        self._rng = np.random.default_rng(self.seed)
+
+    def assign_block(self, node: int, rank: int) -> int:
+        """`rank` is the node's position among known nodes: cyclic staggers clients across blocks."""
+        count = self.assigned.get(node, 0)
+        self.assigned[node] = count + 1
+        if self.policy == "cyclic":
+            block = (rank + count) % self.num_blocks
+        elif self.policy == "random":
+            block = int(self._rng.integers(self.num_blocks))
+        else:  # least busy, then least recently updated
+            block = min(range(self.num_blocks), key=lambda b: (self.in_flight[b], self.last_update[b], b))
+        self.in_flight[block] += 1
+        return block
+
+    def release(self, block: int) -> None:
+        self.in_flight[block] = max(0, self.in_flight[block] - 1)
+
+    def record_update(self, block: int, version: int) -> None:
+        self.last_update[block] = version
+
+    def observe_speed(self, node: int, seconds_per_step: float) -> None:
+        if seconds_per_step > 0:
+            old = self.speed.get(node)
+            self.speed[node] = seconds_per_step if old is None else 0.5 * old + 0.5 * seconds_per_step
+
+    def steps_for(self, node: int) -> int:
+        if node not in self.speed or not self.speed:
+            return self.base_steps
+        target = self.base_steps * statistics.median(self.speed.values())
+        return int(np.clip(round(target / self.speed[node]), self.min_steps, self.max_steps))
+
+    def state_dict(self) -> dict:
+        return {"speed": {str(k): v for k, v in self.speed.items()}, "assigned": {str(k): v for k, v in self.assigned.items()},
+                "last_update": list(self.last_update)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.speed = {int(k): float(v) for k, v in state["speed"].items()}
+        self.assigned = {int(k): int(v) for k, v in state["assigned"].items()}
+        self.last_update = [int(v) for v in state["last_update"]]

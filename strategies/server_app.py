@@ -1,0 +1,26 @@
+"""The Flower ServerApp: reads the run config and runs the coordinator."""
+
+from __future__ import annotations
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedrl.strategies.coordinator import run_coordinator
+from fedrl.strategies.run_config import RunConfig
+
+
+def make_server_app(cfg: RunConfig | None = None, progress=None, results: list | None = None) -> ServerApp:
+    """A ServerApp bound to `cfg` (for `run_simulation`), or reading `context.run_config` (`flwr run`)."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        config = cfg or RunConfig.from_mapping(context.run_config)
+        summary = run_coordinator(grid, config, progress)
+        if results is not None:
+            results.append(summary)
+
+    return app
+
+
+app = make_server_app()

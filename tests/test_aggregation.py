@@ -1,0 +1,57 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedrl.strategies.aggregation import (
+    AggregationConfig, Update, aggregate_block, clip_delta, rejection_reason, staleness_weight,
+)
+
+
+def upd(value, n=1, tau=0, node=0):
+    return Update(node, 0, {"w": torch.full((3,), float(value))}, n, tau)
+
+
+def test_weighted_mean_with_staleness_discount():
+    cfg = AggregationConfig(alpha=0.5)
+    out = aggregate_block([upd(1.0, n=10, tau=0), upd(4.0, n=10, tau=3)], cfg)["w"]
+    a, b = 10 * 1.0, 10 * (1 + 3) ** -0.5
+    assert torch.allclose(out, torch.full((3,), (a * 1.0 + b * 4.0) / (a + b)))
+    assert staleness_weight(0, 0.5) == 1.0 and staleness_weight(3, 0.5) == 0.5
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.floats(-5, 5), st.integers(1, 100), st.integers(0, 4)), min_size=1, max_size=8))
+def test_mean_lies_within_the_updates(items):
+    out = aggregate_block([upd(v, n, t) for v, n, t in items], AggregationConfig())["w"][0].item()
+    values = [v for v, _, _ in items]
+    assert min(values) - 1e-5 <= out <= max(values) + 1e-5
+
+
+def test_robust_options_resist_an_outlier():
+    updates = [upd(1.0), upd(1.1), upd(0.9), upd(1.0), upd(1000.0)]
+    assert aggregate_block(updates, AggregationConfig(robust="median"))["w"][0].item() == pytest.approx(1.0)
+    trimmed = aggregate_block(updates, AggregationConfig(robust="trimmed-mean", trim_fraction=0.2))["w"][0].item()
+    assert trimmed == pytest.approx((1.0 + 1.1 + 1.0) / 3)
+    clipped = aggregate_block(updates, AggregationConfig(clip_norm=math.sqrt(3)))["w"]
+    assert clipped.max().item() <= 1.0 + 1e-6
+
+
+def test_clip_scales_down_only():
+    delta = {"a": torch.tensor([3.0, 4.0])}
+    assert torch.allclose(clip_delta(delta, 1.0)["a"], torch.tensor([0.6, 0.8]))
+    assert torch.equal(clip_delta(delta, 10.0)["a"], delta["a"])
+
+
+def test_rejections():
+    cfg = AggregationConfig(max_staleness=2)
+    assert "non-finite" in rejection_reason(Update(0, 0, {"w": torch.tensor([float("nan")])}, 1, 0), cfg)
+    assert "non-finite" in rejection_reason(Update(0, 0, {"w": torch.tensor([float("inf")])}, 1, 0), cfg)
+    assert "exceeds" in rejection_reason(upd(1.0, tau=3), cfg)
+    assert "future" in rejection_reason(upd(1.0, tau=-1), cfg)
+    assert "num_samples" in rejection_reason(upd(1.0, n=0), cfg)
+    assert rejection_reason(upd(1.0, tau=2), cfg) is None
+    with pytest.raises(ValueError):
+        AggregationConfig(robust="krum-ish")

@@ -1,0 +1,107 @@
+import json
+
+import pytest
+import torch
+from flwr.app import ConfigRecord, Error, Message, RecordDict
+
+from fedrl.clients.client_app import app as client_app
+from fedrl.strategies.coordinator import run_coordinator
+from fedrl.strategies.run_config import RunConfig
+from fake_grid import FakeGrid
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+
+
+def config(tmp_path, **kw):
+    base = dict(versions=3, base_steps=2, max_steps=4, prompts=4, samples=4, min_nodes=3, eval_every=100,
+                out_dir=str(tmp_path / "run"), deadline_s=60.0, task_params=json.dumps({"length": 8, "num_eval": 64}))
+    base.update(kw)
+    return RunConfig(**base)
+
+
+@pytest.mark.parametrize("mode,sync", [("parablock", False), ("parablock", True), ("block-sequential", True),
+                                       ("fedavg-lora", True)])
+def test_modes_reach_their_versions(tmp_path, mode, sync):
+    summary = run_coordinator(FakeGrid(3, client_app), config(tmp_path, mode=mode, sync=sync))
+    assert summary["versions"] >= 3
+    assert summary["counts"]["rejected"] == 0 and summary["counts"]["errors"] == 0
+    assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").exists()
+
+
+def _with_report(msg, reply, **changes):
+    record = dict(reply.content["report"])
+    record.update(changes)
+    return Message(RecordDict({"report": ConfigRecord(record)}), reply_to=msg)
+
+
+
+
+def test_dropouts_error_replies_and_malformed_replies_are_events_not_crashes(tmp_path):
+    def script(node, msg, reply):
+        if node == 3:  # gone: what the SuperLink synthesizes for an unavailable node
+            return Message(Error(code=5, reason="node unavailable"), reply_to=msg)
+        if node == 2 and msg.content["instruction"]["version"] == 1:
+            return Message(RecordDict({"junk": ConfigRecord({"x": 1})}), reply_to=msg)
+        return reply
+
+    summary = run_coordinator(FakeGrid(3, client_app, script), config(tmp_path, mode="block-sequential", sync=True))
+    assert summary["versions"] >= 3
+    assert summary["counts"]["errors"] >= 3
+    reasons = [e["reason"] for e in summary["events"] if e["kind"] == "rejected"]
+    assert any("malformed reply" in r for r in reasons)
+
+
+def test_nan_stale_and_misattributed_updates_are_rejected(tmp_path):
+    from fedrl.patch import encode_patch
+    from fedrl.store_client import BlockingStoreClient
+
+    grid = None
+    keys = {}
+
+    def script(node, msg, reply):
+        if reply.has_error():
+            return reply
+        instr, report = msg.content["instruction"], reply.content["report"]
+        keys.setdefault(node, []).append(report["upload_key"])
+        if node == 1:  # NaN: upload a poisoned patch of its block under its own credential
+            held = {k: v.clone() for k, v in grid.contexts[1].state["held"].to_torch_state_dict().items()}
+            block_names = [n for n in held if f".layers.{report['upload_block']}." in n]
+            base = {n: held[n] for n in block_names}
+            poisoned = {n: t.clone() for n, t in base.items()}
+            next(iter(poisoned.values())).view(-1)[0] = float("nan")
+            store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
+            key = store.put(encode_patch(base, poisoned, report["upload_base_version"], report["upload_base_version"]))
+            store.close()
+            return _with_report(msg, reply, upload_key=key)
+        if node == 2:  # claims an upload of node 3's
+            return _with_report(msg, reply, upload_key=keys.get(3, [report["upload_key"]])[-1])
+        if node == 3 and instr["version"] >= 1:  # claims to be based on a version far in the past
+            return _with_report(msg, reply, upload_base_version=0)
+        return reply
+
+    grid = FakeGrid(3, client_app, script)
+    cfg = config(tmp_path, mode="block-sequential", sync=True, num_blocks=3, max_staleness=0, versions=3,
+                 stall_replies=9)
+    summary = run_coordinator(grid, cfg)
+    assert any(e["kind"] == "stopped" for e in summary["events"])  # nothing honest left: it stops, not spins
+    reasons = {e["node"]: e["reason"] for e in summary["events"] if e["kind"] == "rejected"}
+    assert "non-finite" in reasons[1]
+    assert "uploaded by" in reasons[2] or "404" in reasons[2]
+    assert "staleness" in reasons[3] or "retained" in reasons[3]
+    assert summary["counts"]["accepted"] >= 1  # node 3's first, honest update
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path):
+    cfg = config(tmp_path, versions=2)
+    first = run_coordinator(FakeGrid(3, client_app), cfg)
+    assert first["versions"] >= 2
+    second = run_coordinator(FakeGrid(3, client_app), cfg.replace(versions=4))
+    resumed = [e for e in second["events"] if e["kind"] == "resumed"]
+    assert resumed and resumed[0]["from_version"] == first["versions"]
+    assert second["versions"] >= 4

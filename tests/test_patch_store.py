@@ -1,0 +1,92 @@
+import asyncio
+import hashlib
+
+import pytest
+
+from fedrl.credentials import ADMIN, new_secret, node_principal, token_for
+from fedrl.patch_store import PatchStoreServer, StoreState
+from fedrl.store_client import BlockingStoreClient, PatchStoreClient, StoreError
+
+
+@pytest.fixture
+def store():
+    secret = new_secret()
+    server = PatchStoreServer(StoreState(secret, max_object_bytes=1 << 20)).start()
+    yield server, secret
+    server.stop()
+
+
+def client(server, secret, principal):
+    return BlockingStoreClient(server.url, principal, token_for(secret, principal))
+
+
+def test_put_get_and_uploader_binding(store):
+    server, secret = store
+    node = client(server, secret, node_principal(7))
+    data = b"patch bytes" * 100
+    digest = node.put(data)
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert node.get(digest) == data
+    assert node.meta(digest) == {"size": len(data), "uploaders": ["node-7"]}
+    other = client(server, secret, node_principal(8))
+    assert other.put(data) == digest  # identical bytes from another node: bound to both
+    assert node.meta(digest)["uploaders"] == ["node-7", "node-8"]
+    admin = client(server, secret, ADMIN)
+    admin.delete(digest, "node-7")
+    assert other.get(digest) == data  # node-8's upload is still there
+    admin.delete(digest, "node-8")
+    with pytest.raises(StoreError, match="404"):
+        other.get(digest)
+    for c in (node, other, admin):
+        c.close()
+
+
+def test_credentials_are_required_and_checked(store):
+    server, secret = store
+    forged = BlockingStoreClient(server.url, node_principal(7), token_for(secret, node_principal(8)))
+    with pytest.raises(StoreError, match="403"):
+        forged.put(b"x")
+    stranger = BlockingStoreClient(server.url, node_principal(7), token_for(b"another secret", node_principal(7)))
+    with pytest.raises(StoreError, match="403"):
+        stranger.put(b"x")
+    node = client(server, secret, node_principal(1))
+    with pytest.raises(StoreError, match="403"):
+        node.publish({"refs": []})  # only the coordinator publishes
+    for c in (forged, stranger, node):
+        c.close()
+
+
+def test_bad_hash_oversize_and_unknown_objects_are_clear_http_errors(store):
+    server, secret = store
+    node = client(server, secret, node_principal(1))
+
+    async def raw_put(name, body):
+        async with PatchStoreClient(server.url, "node-1", token_for(secret, "node-1")) as c:
+            async with c.session.put(f"{server.url}/objects/{name}", data=body) as resp:
+                return resp.status, await resp.text()
+
+    status, text = asyncio.run(raw_put("0" * 64, b"not what the name says"))
+    assert status == 400 and "does not hash" in text
+    status, _ = asyncio.run(raw_put("not-a-digest", b"x"))
+    assert status == 400
+    big = b"\0" * (2 << 20)
+    status, _ = asyncio.run(raw_put(hashlib.sha256(big).hexdigest(), big))
+    assert status == 413
+    with pytest.raises(StoreError, match="404"):
+        node.get("f" * 64)
+    node.close()
+
+
+def test_catalog_publish_and_pruning(store):
+    server, secret = store
+    admin = client(server, secret, ADMIN)
+    a, b = admin.put(b"anchor"), admin.put(b"delta")
+    admin.publish({"latest": 1, "refs": [{"base_version": None, "target_version": 0, "size": 6, "key": a},
+                                         {"base_version": 0, "target_version": 1, "size": 5, "key": b}]})
+    assert admin.catalog()["latest"] == 1
+    admin.publish({"latest": 1, "refs": [{"base_version": 0, "target_version": 1, "size": 5, "key": b}]})
+    with pytest.raises(StoreError, match="404"):
+        admin.get(a)  # dropped from the catalog, so deleted
+    with pytest.raises(StoreError, match="400"):
+        admin.publish({"latest": 2, "refs": [{"target_version": 2, "key": "e" * 64}]})
+    admin.close()
