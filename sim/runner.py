@@ -23,8 +23,7 @@ DEFAULT_PROFILES = [
     {"speed": 0.35, "up_bytes_s": 100e3, "down_bytes_s": 400e3, "latency_s": 0.1},
     {"speed": 0.35, "up_bytes_s": 50e3, "down_bytes_s": 200e3, "latency_s": 0.2},
 ]
-DEFAULT_CONFIG = RunConfig(mode="parablock", sync=False, lr=5e-4, versions=30, buffer_size=3, max_staleness=6,
-                           min_nodes=8, profiles=json.dumps(DEFAULT_PROFILES))
+DEFAULT_CONFIG = RunConfig(min_nodes=8, profiles=json.dumps(DEFAULT_PROFILES))
 
 
 def simulate(cfg: RunConfig, num_clients: int, quiet: bool = False) -> dict:

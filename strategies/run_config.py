@@ -20,7 +20,7 @@ class RunConfig:
     num_blocks: int = 3
     lora_rank: int = 8
     lora_alpha: float = 16.0
-    lr: float = 3e-3
+    lr: float = 5e-4
     prompts: int = 8
     samples: int = 8
     method: str = "dg"
@@ -28,9 +28,9 @@ class RunConfig:
     base_steps: int = 6  # local steps for a client of median speed
     min_steps: int = 1
     max_steps: int = 24
-    versions: int = 24  # stop after this many global versions
-    buffer_size: int = 2  # async: aggregate after this many accepted updates
-    max_staleness: int = 4
+    versions: int = 30  # stop after this many global versions
+    buffer_size: int = 3  # async: aggregate after this many accepted updates
+    max_staleness: int = 6
     alpha: float = 0.5
     robust: str = "mean"  # mean | trimmed-mean | median
     clip_norm: float = 0.0  # 0: off
