@@ -50,6 +50,18 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_patch_store(args) -> int:
+    from pathlib import Path
+
+    from fedrl.patch_store import serve
+
+    secret = Path(args.secret_file).read_bytes().strip()
+    if len(secret) < 16:
+        raise ValueError(f"{args.secret_file} holds {len(secret)} bytes; use at least 16 random bytes")
+    serve(args.host, args.port, secret, args.certfile, args.keyfile, args.max_object_mb << 20)
+    return 0
+
+
 BENCHMARKS = {
     "dg": "DG vs REINFORCE, IW-PG, PPO, decoupled PPO under frictions (reversal, digits)",
     "pulse": "sparse patch codec on real RL updates: sparsity, ratio, throughput, bit-identity",
@@ -87,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default runs/sim-TIMESTAMP)")
     p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="run config overrides, e.g. mode=block-sequential sync=true")
     p.set_defaults(func=lambda args: __import__("fedrl.sim.runner", fromlist=["main"]).main(args))
+
+    p = sub.add_parser("patch-store", help="run the patch store (data plane) as its own service")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8800)
+    p.add_argument("--secret-file", required=True, help="the secret shared with the coordinator (node tokens derive from it)")
+    p.add_argument("--certfile", help="TLS certificate (PEM); with --keyfile serves HTTPS")
+    p.add_argument("--keyfile")
+    p.add_argument("--max-object-mb", type=int, default=256)
+    p.set_defaults(func=cmd_patch_store)
 
     p = sub.add_parser("bench", help="run a benchmark; writes JSON and a PNG")
     bench = p.add_subparsers(dest="bench", required=True, metavar="NAME")

@@ -65,11 +65,17 @@ def main(args) -> int:
     from fedrl.sim.report import write_report
 
     cfg = DEFAULT_CONFIG
-    overrides = dict(kv.split("=", 1) for kv in args.set or [])
+    overrides = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            overrides[key.replace("-", "_")] = json.loads(value)
+        except ValueError:  # a bare string such as mode=fedavg-lora
+            overrides[key.replace("-", "_")] = value
     if overrides:
-        merged = {**cfg.__dict__, **{k.replace("-", "_"): json.loads(v) if v[:1] in "[{0123456789-tf" else v
-                                     for k, v in overrides.items()}}
-        cfg = RunConfig.from_mapping(merged)
+        cfg = RunConfig.from_mapping({**cfg.__dict__, **overrides})
     out = Path(args.out or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = cfg.replace(out_dir=str(out), min_nodes=args.clients)
     start = time.perf_counter()

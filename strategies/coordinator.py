@@ -216,6 +216,9 @@ class Coordinator:
     def ingest(self, node: int, r: TrainReport) -> None:
         """Fetch, verify and queue one client delta; anything wrong is rejected with a reason."""
         try:
+            staleness = self.version - r.upload_base_version
+            if not 0 <= staleness <= self.agg.max_staleness:  # cheap checks before any download
+                raise ValueError(f"staleness {staleness} is outside [0, {self.agg.max_staleness}]")
             meta = self.admin.meta(r.upload_key)
             if node_principal(node) not in meta["uploaders"]:
                 raise ValueError(f"object was uploaded by {meta['uploaders']}, not by node {node}")
@@ -231,7 +234,7 @@ class Coordinator:
             if set(new) != set(names):
                 raise ValueError("the upload does not carry exactly the block's tensors")
             delta = {n: new[n].float() - base[n].float() for n in names}
-            update = Update(node, r.upload_block, delta, r.upload_samples, self.version - r.upload_base_version)
+            update = Update(node, r.upload_block, delta, r.upload_samples, staleness)
             reason = rejection_reason(update, self.agg)
             if reason:
                 raise ValueError(reason)

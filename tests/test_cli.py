@@ -10,7 +10,7 @@ def run(*args):
 def test_help_lists_subcommands():
     out = run("--help")
     assert out.returncode == 0
-    for name in ("models", "prepare", "eval"):
+    for name in ("models", "prepare", "eval", "sim", "bench"):
         assert name in out.stdout
 
 

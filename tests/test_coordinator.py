@@ -105,3 +105,17 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     resumed = [e for e in second["events"] if e["kind"] == "resumed"]
     assert resumed and resumed[0]["from_version"] == first["versions"]
     assert second["versions"] >= 4
+
+
+def test_exported_adapter_loads_with_peft_and_reproduces_the_final_eval(tmp_path):
+    from peft import PeftModel
+
+    from fedrl.models import load_model
+    from fedrl.rollout import greedy_error
+    from fedrl.tasks import get_task
+
+    cfg = config(tmp_path, versions=2)
+    summary = run_coordinator(FakeGrid(3, client_app), cfg)
+    lm = load_model("tiny-base")
+    lm.model = PeftModel.from_pretrained(lm.model, summary["adapter_dir"]).eval()
+    assert greedy_error(lm, get_task("reversal", **json.loads(cfg.task_params))) == summary["final_eval"]

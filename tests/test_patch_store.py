@@ -90,3 +90,63 @@ def test_catalog_publish_and_pruning(store):
     with pytest.raises(StoreError, match="400"):
         admin.publish({"latest": 2, "refs": [{"target_version": 2, "key": "e" * 64}]})
     admin.close()
+
+
+def test_standalone_service_with_tls(tmp_path):
+    """`fedrl patch-store` as its own process, HTTPS with a certificate made by `cryptography`."""
+    import datetime
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    import ipaddress
+
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    secret = new_secret()
+    (tmp_path / "secret").write_bytes(secret.hex().encode())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "fedrl.cli", "patch-store", "--port", str(port), "--secret-file",
+                             str(tmp_path / "secret"), "--certfile", str(tmp_path / "cert.pem"), "--keyfile",
+                             str(tmp_path / "key.pem")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        shared = secret.hex().encode()
+        url = f"https://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                c = BlockingStoreClient(url, node_principal(4), token_for(shared, node_principal(4)),
+                                        ca_file=str(tmp_path / "cert.pem"))
+                digest = c.put(b"over tls")
+                break
+            except StoreError:
+                c.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+        assert c.get(digest) == b"over tls"
+        c.close()
+        plain = BlockingStoreClient(url, node_principal(4), token_for(shared, node_principal(4)))
+        with pytest.raises(StoreError):  # the self-signed certificate is not trusted without the CA file
+            plain.put(b"x")
+        plain.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
