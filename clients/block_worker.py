@@ -63,8 +63,7 @@ class CommResult:
     upload_key: str = ""
     bytes_up: int = 0
     bytes_down: int = 0
-    start: float = 0.0
-    end: float = 0.0
+    intervals: list[tuple[float, float]] = field(default_factory=list)  # when the link was busy
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -94,7 +93,7 @@ def communicate(instr: TrainInstruction, state: ClientState, upload: bytes | Non
     """The communication thread: upload (if any), then bring the held global adapter to
     instr.version: sync="patch" by the cheapest verified patches, "full" by an anchor only
     (fedavg-lora exchanges the whole adapter), "none" to skip."""
-    result.start = time.perf_counter()
+    start = time.perf_counter()
     loop = asyncio.new_event_loop()
     run = loop.run_until_complete
     link = Link(LinkProfile(instr.up_bytes_s or float("inf"), instr.down_bytes_s or float("inf"), instr.latency_s))
@@ -119,7 +118,7 @@ def communicate(instr: TrainInstruction, state: ClientState, upload: bytes | Non
     finally:
         loop.close()
         result.bytes_up, result.bytes_down = link.bytes_up, link.bytes_down
-        result.end = time.perf_counter()
+        result.intervals.append((start, time.perf_counter()))
         result.done.set()
 
 
@@ -196,7 +195,8 @@ def handle(instr: TrainInstruction, state: ClientState) -> tuple[TrainReport, Cl
         uploaded, keep = (state.pending if upload is not None else None), pending
     else:  # sequential modes upload this round's delta after compute, through the same link
         after = _run_comm(instr, state, _encode_upload(pending, full=instr.mode == "fedavg-lora"), "none")
-        comm.upload_key, comm.bytes_up, comm.end = after.upload_key, comm.bytes_up + after.bytes_up, after.end
+        comm.upload_key, comm.bytes_up = after.upload_key, comm.bytes_up + after.bytes_up
+        comm.intervals += after.intervals
         uploaded, keep = pending, None
     report = _report(instr, uploaded, comm, (compute_start, compute_end), metrics, staleness, instr.version, start)
     return report, ClientState(new_local, comm.held, instr.version, keep)
@@ -221,7 +221,7 @@ def _report(instr, uploaded: Pending | None, comm: CommResult, compute: tuple[fl
         upload_samples=uploaded.samples if uploaded else 0,
         synced_version=synced,
         reward=mean("reward"), loss=mean("loss"), gate_mean=mean("gate_mean"), steps=len(metrics),
-        compute_s=compute[1] - compute[0], comm_s=max(0.0, comm.end - comm.start),
-        overlap_s=overlap_seconds(compute, (comm.start, comm.end)), wall_s=time.perf_counter() - start,
+        compute_s=compute[1] - compute[0], comm_s=sum(end - begin for begin, end in comm.intervals),
+        overlap_s=sum(overlap_seconds(compute, iv) for iv in comm.intervals), wall_s=time.perf_counter() - start,
         bytes_up=comm.bytes_up, bytes_down=comm.bytes_down, staleness=staleness,
     )

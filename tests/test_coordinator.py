@@ -32,6 +32,11 @@ def test_modes_reach_their_versions(tmp_path, mode, sync):
     assert summary["counts"]["rejected"] == 0 and summary["counts"]["errors"] == 0
     assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0
     assert (tmp_path / "run" / "adapter" / "adapter_config.json").exists()
+    overlap = sum(c["overlap_s"] for c in summary["clients"].values())
+    if mode == "parablock":
+        assert overlap > 0  # communication ran while the compute thread trained
+    else:
+        assert overlap == 0  # download, compute, upload: one after another
 
 
 def _with_report(msg, reply, **changes):
