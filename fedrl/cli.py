@@ -65,6 +65,7 @@ def cmd_patch_store(args) -> int:
 BENCHMARKS = {
     "dg": "DG vs REINFORCE, IW-PG, PPO, decoupled PPO under frictions (reversal, digits)",
     "pulse": "sparse patch codec on real RL updates: sparsity, ratio, throughput, bit-identity",
+    "overlap": "block-sequential vs parablock round time vs max(comm, compute), virtual and real shaped links",
 }
 
 

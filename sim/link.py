@@ -30,11 +30,12 @@ class LinkProfile:
 
 
 class TokenBucket:
-    """`rate` bytes/s with a burst of one chunk: a transfer of n bytes takes ~n / rate seconds."""
+    """`rate` bytes/s; tokens start empty (a fresh link gives no free burst, so even a small
+    transfer takes n / rate) and idle time banks at most one chunk."""
 
     def __init__(self, rate: float, burst: int = CHUNK):
         self.rate, self.burst = rate, burst
-        self.tokens, self.stamp = float(burst), time.monotonic()
+        self.tokens, self.stamp = 0.0, time.monotonic()
 
     async def consume(self, n: int) -> None:
         """Take n tokens, going into debt if needed, and wait until the debt is repaid."""
