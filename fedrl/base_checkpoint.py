@@ -18,7 +18,6 @@ import torch
 
 from fedrl.models import LoadedModel, cache_dir, publish_dir, tiny_config, tiny_model
 from fedrl.tokenizer import CharTokenizer
-from fedrl.rollout import left_pad
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,6 @@ class Actor:
         self.generator = torch.Generator().manual_seed(seed)
         self.buffer = StalenessBuffer(frictions.staleness, frictions.staleness_uniform)
         self.landmine = "0" * task.max_answer_tokens
-        self.version = 0
         self.counts = collections.Counter()
 
     def sync(self, params: dict[str, torch.Tensor], version: int) -> None:

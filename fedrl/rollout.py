@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
 from fedrl.models import LoadedModel
@@ -196,7 +195,3 @@ def greedy_error(lm: LoadedModel, task: Task, problems: Sequence[Problem] | None
         wrong += sum(not task.is_correct(p, a) for p, a in zip(chunk, batch.answers))
     return wrong / max(len(problems), 1)
 
-
-def numpy_rng_to_torch(rng: np.random.Generator) -> torch.Generator:
-    """A torch generator seeded from a numpy one: one seed drives both prompt and token sampling."""
-    return torch.Generator().manual_seed(int(rng.integers(2**62)))

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 
 from fedrl.clients.client_app import app as client_app

@@ -72,7 +72,7 @@ def measure(name: str, lr: float, k: int, traj: list[dict], level: int, timed: b
 
 def throughput(base: dict, new: dict, level: int, dense: int, repeats: int = 3) -> dict:
     """MB/s of dense model bytes on one thread; hashes of held states are known, as in use."""
-    base_hash, new_hash = state_hash(base), state_hash(new)
+    base_hash = state_hash(base)
     targets = {n: torch.empty_like(t) for n, t in new.items()}
     for t in targets.values():
         t.fill_(1)  # warm the destination pages
