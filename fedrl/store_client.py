@@ -120,3 +120,14 @@ class BlockingStoreClient:
         self._call(self._client.__aexit__(None, None, None))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+
+
+def put_signed_patches(admin: BlockingStoreClient, patches, signing_key) -> list[dict]:
+    """Store (base_version, target_version, patch) triples signed by `signing_key`; returns their catalog refs."""
+    from fedrl.signing import sign_patch
+
+    refs = []
+    for base, target, data in patches:
+        signed = sign_patch(data, signing_key)
+        refs.append({"base_version": base, "target_version": target, "size": len(signed), "key": admin.put(signed)})
+    return refs

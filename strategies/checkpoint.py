@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -65,12 +65,9 @@ class Checkpointer:
     def write(self, version: int, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
         stem = self.directory / f"ckpt-{version:08d}"
         tensor_path = stem.with_suffix(".safetensors")
-        tmp = tensor_path.with_name(tensor_path.name + ".tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, tensor_path)
-        digest = hashlib.sha256(tensor_path.read_bytes()).hexdigest()
+        data = save({k: v.contiguous() for k, v in tensors.items()})
+        _fsync_write(tensor_path, data)
+        digest = hashlib.sha256(data).hexdigest()
         _fsync_write(stem.with_suffix(".json"), json.dumps({"version": version, "sha256": digest, "meta": meta}).encode())
         dir_fd = os.open(self.directory, os.O_RDONLY)
         try:

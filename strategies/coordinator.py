@@ -25,8 +25,8 @@ from fedrl.patch_chain import PatchPublisher
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import MESSAGE_TYPE, ProtocolError, TrainInstruction, TrainReport
 from fedrl.rollout import greedy_error
-from fedrl.signing import generate_signing_key, public_key_pem, sign_patch
-from fedrl.store_client import BlockingStoreClient, StoreError
+from fedrl.signing import generate_signing_key, public_key_pem
+from fedrl.store_client import BlockingStoreClient, StoreError, put_signed_patches
 from fedrl.strategies.aggregation import AggregationConfig, Update, aggregate_block, rejection_reason
 from fedrl.strategies.checkpoint import Checkpointer, load_latest
 from fedrl.strategies.run_config import RunConfig
@@ -101,9 +101,8 @@ class Coordinator:
         return error
 
     def publish(self) -> None:
-        for base, target, data in self.publisher.publish(self.global_state, self.version):
-            key = self.admin.put(sign_patch(data, self.signing_key))
-            self.refs.append({"base_version": base, "target_version": target, "size": len(data) + 68, "key": key})
+        self.refs += put_signed_patches(self.admin, self.publisher.publish(self.global_state, self.version),
+                                        self.signing_key)
         oldest = self.version - self.publisher.keep_recent
         anchors = set(self.publisher.anchors)
         self.refs = [r for r in self.refs if (r["base_version"] is None and r["target_version"] in anchors)

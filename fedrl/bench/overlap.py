@@ -20,9 +20,9 @@ from fedrl.credentials import ADMIN, new_secret, node_principal, token_for
 from fedrl.patch_chain import PatchPublisher
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import TrainInstruction
-from fedrl.signing import generate_signing_key, public_key_pem, sign_patch
+from fedrl.signing import generate_signing_key, public_key_pem
 from fedrl.sim.link import LinkProfile
-from fedrl.store_client import BlockingStoreClient
+from fedrl.store_client import BlockingStoreClient, put_signed_patches
 
 NUM_BLOCKS, BLOCK = 3, 1
 
@@ -41,9 +41,7 @@ class Federation:
         admin = BlockingStoreClient(self.server.url, ADMIN, token_for(self.secret, ADMIN))
         publisher, refs = PatchPublisher(anchor_every=100), []
         for version, state in ((0, v0), (1, v1)):
-            for base, target, data in publisher.publish(state, version):
-                refs.append({"base_version": base, "target_version": target, "size": len(data),
-                             "key": admin.put(sign_patch(data, key))})
+            refs += put_signed_patches(admin, publisher.publish(state, version), key)
         admin.publish({"latest": 1, "refs": refs, "public_key": self.public_key})
         admin.close()
         names = part.names(BLOCK)
