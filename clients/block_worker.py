@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from fedrl.blocks import BlockPartition
+from fedrl.frictions import corrupt_rewards, inject_bugs
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.lora import LoraSettings, add_lora
 from fedrl.models import LoadedModel, load_model
@@ -31,7 +32,8 @@ from fedrl.patch_chain import PatchRef, synchronize
 from fedrl.protocol import TrainInstruction, TrainReport
 from fedrl.rollout import rollout, score
 from fedrl.signing import load_public_key, verify_signed_patch
-from fedrl.sim.link import Link, LinkProfile
+from fedrl.sim.clock import round_seconds
+from fedrl.sim.link import Link
 from fedrl.store_client import PatchStoreClient
 from fedrl.tasks import get_task
 
@@ -64,16 +66,29 @@ class CommResult:
     bytes_up: int = 0
     bytes_down: int = 0
     intervals: list[tuple[float, float]] = field(default_factory=list)  # when the link was busy
+    virtual_s: float = 0.0  # the link's seconds in virtual mode
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
 
 @lru_cache(maxsize=2)
-def peft_model(model: str, rank: int, alpha: float, num_blocks: int, seed: int) -> tuple[LoadedModel, BlockPartition]:
-    """The base model with a LoRA adapter, loaded once per process; every message sets its weights."""
+def _cached_peft_model(model: str, rank: int, alpha: float, num_blocks: int, seed: int):
     lm = load_model(model)
     lm.model = add_lora(lm.model, LoraSettings(rank=rank, alpha=alpha), seed=seed)
-    return lm, BlockPartition(lm.model, num_blocks)
+    part = BlockPartition(lm.model, num_blocks)
+    return lm, part, part.get_all(lm.model)
+
+
+def peft_model(model: str, rank: int, alpha: float, num_blocks: int, seed: int) -> tuple[LoadedModel, BlockPartition]:
+    """The base model with a LoRA adapter, loaded once per process and shared by every user in
+    it (each message, or the coordinator, sets the weights it needs before using it)."""
+    lm, part, _ = _cached_peft_model(model, rank, alpha, num_blocks, seed)
+    return lm, part
+
+
+def initial_adapter(model: str, rank: int, alpha: float, num_blocks: int, seed: int) -> Tensors:
+    """The adapter's freshly initialized values, whatever the shared model was trained to since."""
+    return {n: t.clone() for n, t in _cached_peft_model(model, rank, alpha, num_blocks, seed)[2].items()}
 
 
 def block_correction(local: Tensors, base: Tensors, new_global: Tensors, block_names: list[str]) -> tuple[Tensors, Tensors]:
@@ -96,7 +111,7 @@ def communicate(instr: TrainInstruction, state: ClientState, upload: bytes | Non
     start = time.perf_counter()
     loop = asyncio.new_event_loop()
     run = loop.run_until_complete
-    link = Link(LinkProfile(instr.up_bytes_s or float("inf"), instr.down_bytes_s or float("inf"), instr.latency_s))
+    link = Link(instr.client_profile.link, virtual=instr.clock == "virtual")
     client = PatchStoreClient(instr.store_url, instr.principal, instr.token, link)
     try:
         run(client.__aenter__())
@@ -117,7 +132,7 @@ def communicate(instr: TrainInstruction, state: ClientState, upload: bytes | Non
         result.error = err
     finally:
         loop.close()
-        result.bytes_up, result.bytes_down = link.bytes_up, link.bytes_down
+        result.bytes_up, result.bytes_down, result.virtual_s = link.bytes_up, link.bytes_down, link.virtual_s
         result.intervals.append((start, time.perf_counter()))
         result.done.set()
 
@@ -140,14 +155,45 @@ def _encode_upload(pending: Pending | None, full: bool = False) -> bytes | None:
     return encode_patch(pending.base, pending.new, pending.base_version, pending.base_version)
 
 
+class ClientUnavailable(RuntimeError):
+    """A simulated client went offline or dropped out: the message gets no report."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    compute_s: float
+    comm_s: float
+    overlap_s: float
+    duration_s: float
+
+
+def measured(compute: tuple[float, float], comm: CommResult, start: float) -> Timing:
+    """Wall-clock timing of a round (real clock)."""
+    return Timing(compute[1] - compute[0], sum(end - begin for begin, end in comm.intervals),
+                  sum(overlap_seconds(compute, iv) for iv in comm.intervals), time.perf_counter() - start)
+
+
+def virtual(overlapped: bool, compute_s: float, before_s: float, after_s: float) -> Timing:
+    duration, overlap = round_seconds(overlapped, compute_s, before_s, after_s)
+    return Timing(compute_s, before_s + after_s, overlap, duration)
+
+
 def handle(instr: TrainInstruction, state: ClientState) -> tuple[TrainReport, ClientState]:
     """Do what `instr` asks; returns the report and the state to keep for the next message."""
     start = time.perf_counter()
+    profile, on_virtual_clock = instr.client_profile, instr.clock == "virtual"
     if instr.action == "flush":  # parablock's last round: push the pending delta
         comm = _run_comm(instr, state, _encode_upload(state.pending), "none")
-        report = _report(instr, state.pending, comm, (start, start), [], 0, state.held_version or 0, start)
+        timing = virtual(False, 0.0, comm.virtual_s, 0.0) if on_virtual_clock else measured((start, start), comm, start)
+        report = _report(instr, state.pending, comm, timing, [], 0, state.held_version or 0)
         return report, ClientState(state.local, state.held, state.held_version)
 
+    rng = np.random.default_rng([instr.seed, instr.client_id, instr.round])
+    step_v = instr.step_s / profile.speed  # virtual seconds per step
+    gone = profile.offline_reason(instr.client_id, instr.now_s, instr.steps * step_v,
+                                  np.random.default_rng([instr.seed, instr.client_id, instr.round, 1]))
+    if gone:
+        raise ClientUnavailable(f"client {instr.client_id} ({profile.name}): {gone}")
     lm, part = peft_model(instr.model, instr.lora_rank, instr.lora_alpha, instr.num_blocks, 0)
     names = part.names(instr.block) if instr.block >= 0 else [n for b in range(instr.num_blocks) for n in part.names(b)]
     overlapped = instr.mode == "parablock" and state.local is not None
@@ -169,18 +215,24 @@ def handle(instr: TrainInstruction, state: ClientState) -> tuple[TrainReport, Cl
         p.requires_grad_(name in base)
     learner = Learner([params[n] for n in names], LearnerConfig(instr.method, lr=instr.lr))
     task = get_task(instr.task, **json.loads(instr.task_params)).client_split(instr.num_clients, instr.client_id)
-    rng = np.random.default_rng([instr.seed, instr.client_id, instr.version])
+    landmine = "0" * task.max_answer_tokens
     gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
     corrected = not overlapped
     metrics: list[dict] = []
     compute_start = time.perf_counter()
     for _ in range(instr.steps):
         step_start = time.perf_counter()
-        batch = score(task, rollout(lm, task, task.sample(instr.prompts, rng), instr.samples, generator=gen))
+        batch = rollout(lm, task, task.sample(instr.prompts, rng), instr.samples, generator=gen)
+        inject_bugs(batch, lm, landmine, profile.bug_prob, rng)  # this client's frictions
+        score(task, batch)
+        corrupt_rewards(batch.rewards, profile.reward_noise_prob, rng)
         metrics.append(lm_update(learner, lm.model, batch))
-        if instr.speed != 1.0:  # a slower (or faster) machine than this one
-            time.sleep(max(0.0, (1.0 / instr.speed - 1.0) * (time.perf_counter() - step_start)))
-        if not corrected and comm.done.is_set() and comm.error is None:
+        if profile.speed != 1.0 and not on_virtual_clock:  # a slower (or faster) machine than this one
+            time.sleep(max(0.0, (1.0 / profile.speed - 1.0) * (time.perf_counter() - step_start)))
+        # the patch lands when the comm thread is done: in wall time, or (virtual clock) once
+        # the steps computed so far take longer than the link's virtual seconds
+        landed = comm.done.is_set() and (not on_virtual_clock or len(metrics) * step_v >= comm.virtual_s)
+        if not corrected and landed and comm.error is None:
             base, corrected = _correct(lm, part, comm.held, base, names), True
     compute_end = time.perf_counter()
     comm_thread.join()
@@ -191,14 +243,20 @@ def handle(instr: TrainInstruction, state: ClientState) -> tuple[TrainReport, Cl
     new_local = part.get_all(lm.model)
     samples = instr.steps * instr.prompts * instr.samples
     pending = Pending(instr.block, instr.version, base, {n: new_local[n].clone() for n in names}, samples)
+    before_s, after_s = comm.virtual_s, 0.0
     if instr.mode == "parablock":
         uploaded, keep = (state.pending if upload is not None else None), pending
     else:  # sequential modes upload this round's delta after compute, through the same link
         after = _run_comm(instr, state, _encode_upload(pending, full=instr.mode == "fedavg-lora"), "none")
         comm.upload_key, comm.bytes_up = after.upload_key, comm.bytes_up + after.bytes_up
         comm.intervals += after.intervals
+        after_s = after.virtual_s
         uploaded, keep = pending, None
-    report = _report(instr, uploaded, comm, (compute_start, compute_end), metrics, staleness, instr.version, start)
+    if on_virtual_clock:
+        timing = virtual(overlapped, len(metrics) * step_v, before_s, after_s)
+    else:
+        timing = measured((compute_start, compute_end), comm, start)
+    report = _report(instr, uploaded, comm, timing, metrics, staleness, instr.version)
     return report, ClientState(new_local, comm.held, instr.version, keep)
 
 
@@ -208,8 +266,8 @@ def _correct(lm, part: BlockPartition, new_global: Tensors, base: Tensors, names
     return new_base
 
 
-def _report(instr, uploaded: Pending | None, comm: CommResult, compute: tuple[float, float],
-            metrics: list[dict], staleness: int, synced: int, start: float) -> TrainReport:
+def _report(instr, uploaded: Pending | None, comm: CommResult, timing: Timing, metrics: list[dict],
+            staleness: int, synced: int) -> TrainReport:
     def mean(key: str) -> float:
         values = [m[key] for m in metrics if key in m]
         return float(np.mean(values)) if values else 0.0
@@ -221,7 +279,6 @@ def _report(instr, uploaded: Pending | None, comm: CommResult, compute: tuple[fl
         upload_samples=uploaded.samples if uploaded else 0,
         synced_version=synced,
         reward=mean("reward"), loss=mean("loss"), gate_mean=mean("gate_mean"), steps=len(metrics),
-        compute_s=compute[1] - compute[0], comm_s=sum(end - begin for begin, end in comm.intervals),
-        overlap_s=sum(overlap_seconds(compute, iv) for iv in comm.intervals), wall_s=time.perf_counter() - start,
+        compute_s=timing.compute_s, comm_s=timing.comm_s, overlap_s=timing.overlap_s, duration_s=timing.duration_s,
         bytes_up=comm.bytes_up, bytes_down=comm.bytes_down, staleness=staleness,
     )

@@ -62,17 +62,19 @@ def cmd_patch_store(args) -> int:
     return 0
 
 
-BENCHMARKS = {
-    "dg": "DG vs REINFORCE, IW-PG, PPO, decoupled PPO under frictions (reversal, digits)",
-    "pulse": "sparse patch codec on real RL updates: sparsity, ratio, throughput, bit-identity",
-    "overlap": "block-sequential vs parablock round time vs max(comm, compute), virtual and real shaped links",
+BENCHMARKS = {  # name: (module in fedrl.bench, what it measures)
+    "dg": ("dg", "DG vs REINFORCE, IW-PG, PPO, decoupled PPO under frictions (reversal, digits)"),
+    "pulse": ("pulse", "sparse patch codec on real RL updates: sparsity, ratio, throughput, bit-identity"),
+    "overlap": ("overlap", "block-sequential vs parablock round time vs max(comm, compute), virtual and real links"),
+    "async": ("async_rounds", "time to target and bytes per client: fedavg-lora, block rounds, parablock sync/async"),
+    "scale": ("scale", "10 / 100 / 1000 virtual clients: coordinator CPU per message, memory, wall s per virtual hour"),
 }
 
 
 def cmd_bench(args) -> int:
     import importlib
 
-    return importlib.import_module(f"fedrl.bench.{args.bench}").main(args)
+    return importlib.import_module(f"fedrl.bench.{BENCHMARKS[args.bench][0]}").main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,8 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64)
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("sim", help="Flower simulation: tiny model, token reversal, 8 mixed clients, parablock async")
-    p.add_argument("--clients", type=int, default=8)
+    p = sub.add_parser("sim", help="Flower simulation of a scenario (default: tiny model, reversal, 8 volunteers)")
+    p.add_argument("--scenario", default="default", help="a shipped scenario name or a .toml file")
+    p.add_argument("--list", action="store_true", help="list the shipped scenarios and exit")
+    p.add_argument("--engine", choices=["ray", "local"], default="ray",
+                   help="ray: Flower's run_simulation; local: ClientApps in this process, one at a time")
+    p.add_argument("--clients", type=int, help="override the scenario's number of clients")
     p.add_argument("--out", help="output folder (default runs/sim-TIMESTAMP)")
     p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="run config overrides, e.g. mode=block-sequential sync=true")
     p.set_defaults(func=lambda args: __import__("fedrl.sim.runner", fromlist=["main"]).main(args))
@@ -112,12 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="run a benchmark; writes JSON and a PNG")
     bench = p.add_subparsers(dest="bench", required=True, metavar="NAME")
-    for name, help_text in BENCHMARKS.items():
+    for name, (module, help_text) in BENCHMARKS.items():
         b = bench.add_parser(name, help=help_text)
         b.add_argument("--quick", action="store_true", help="a reduced run (under a minute)")
         b.add_argument("--out", default=f"runs/bench-{name}.json", help="JSON output path (PNG beside it)")
         b.add_argument("--workers", type=int, default=2, help="processes running cases side by side")
-        __import__(f"fedrl.bench.{name}", fromlist=["add_arguments"]).add_arguments(b)
+        __import__(f"fedrl.bench.{module}", fromlist=["add_arguments"]).add_arguments(b)
         b.set_defaults(func=cmd_bench)
     return parser
 

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from fedrl.sim.profiles import ClientProfile
+
 MESSAGE_TYPE = "train.block"
 MODES = ("parablock", "block-sequential", "fedavg-lora")
 ACTIONS = ("train", "flush")
@@ -62,10 +64,11 @@ class TrainInstruction:
     seed: int
     client_id: int
     num_clients: int
-    speed: float = 1.0  # simulated compute speed factor (1 = as fast as this machine)
-    up_bytes_s: float = 0.0  # simulated link; 0 = unshaped
-    down_bytes_s: float = 0.0
-    latency_s: float = 0.0
+    round: int = 0  # this node's message counter (seeds its randomness)
+    profile: str = "{}"  # JSON of the simulated client profile (fedrl.sim.profiles.ClientProfile)
+    clock: str = "real"  # real | virtual (see fedrl.sim.clock)
+    step_s: float = 0.0  # virtual seconds of one local step at speed 1
+    now_s: float = 0.0  # the run's clock when the message was sent
 
     def __post_init__(self):
         if self.action not in ACTIONS or self.mode not in MODES:
@@ -74,12 +77,20 @@ class TrainInstruction:
             raise ProtocolError("steps and version must be >= 0; num_blocks, prompts, samples >= 1")
         if not -1 <= self.block < self.num_blocks or (self.block == -1) != (self.mode == "fedavg-lora"):
             raise ProtocolError(f"block {self.block} does not fit mode {self.mode} with {self.num_blocks} blocks")
-        if self.speed <= 0 or min(self.up_bytes_s, self.down_bytes_s, self.latency_s) < 0:
-            raise ProtocolError("speed must be > 0, link settings >= 0")
+        if self.clock not in ("real", "virtual") or (self.clock == "virtual" and self.step_s <= 0):
+            raise ProtocolError(f"clock must be real or virtual (virtual needs step_s > 0), got {self.clock!r}")
         try:
             json.loads(self.task_params)
         except ValueError:
             raise ProtocolError("task_params must be JSON") from None
+        self.client_profile  # validates
+
+    @property
+    def client_profile(self) -> ClientProfile:
+        try:
+            return ClientProfile.from_mapping(json.loads(self.profile))
+        except (ValueError, TypeError) as err:
+            raise ProtocolError(f"profile: {err}") from None
 
     def to_record(self) -> dict:
         return dataclasses.asdict(self)
@@ -103,7 +114,7 @@ class TrainReport:
     compute_s: float
     comm_s: float
     overlap_s: float
-    wall_s: float
+    duration_s: float  # the round's length on the run's clock (virtual seconds in virtual mode)
     bytes_up: int
     bytes_down: int
     staleness: int  # versions between the local copy compute started from and the instruction's

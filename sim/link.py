@@ -2,7 +2,8 @@
 
 Real mode shapes actual transfers with a token bucket (the sender or receiver waits for
 tokens chunk by chunk) plus one latency per request; virtual mode does not wait and only
-accounts the seconds: latency + bytes / bandwidth.
+accounts the seconds: latency + bytes / bandwidth. Packet loss is modelled as the goodput
+a retransmitting transport keeps: bandwidth * (1 - loss).
 """
 
 from __future__ import annotations
@@ -19,14 +20,18 @@ class LinkProfile:
     up_bytes_s: float = float("inf")
     down_bytes_s: float = float("inf")
     latency_s: float = 0.0
+    loss: float = 0.0
 
     def __post_init__(self):
-        if self.up_bytes_s <= 0 or self.down_bytes_s <= 0 or self.latency_s < 0:
-            raise ValueError("bandwidths must be > 0 and latency >= 0")
+        if self.up_bytes_s <= 0 or self.down_bytes_s <= 0 or self.latency_s < 0 or not 0 <= self.loss < 1:
+            raise ValueError("bandwidths must be > 0, latency >= 0 and loss in [0, 1)")
+
+    def rate(self, direction: str) -> float:
+        """Goodput in bytes/s."""
+        return (self.up_bytes_s if direction == "up" else self.down_bytes_s) * (1.0 - self.loss)
 
     def seconds(self, nbytes: int, direction: str) -> float:
-        rate = self.up_bytes_s if direction == "up" else self.down_bytes_s
-        return self.latency_s + nbytes / rate
+        return self.latency_s + nbytes / self.rate(direction)
 
 
 class TokenBucket:
@@ -53,13 +58,16 @@ class Link:
 
     def __init__(self, profile: LinkProfile = LinkProfile(), virtual: bool = False):
         self.profile, self.virtual = profile, virtual
-        self.up = TokenBucket(profile.up_bytes_s)
-        self.down = TokenBucket(profile.down_bytes_s)
+        self.up = TokenBucket(profile.rate("up"))
+        self.down = TokenBucket(profile.rate("down"))
         self.bytes_up = self.bytes_down = 0
         self.virtual_s = 0.0
 
     async def latency(self) -> None:
-        if not self.virtual and self.profile.latency_s:
+        """One request's round trip."""
+        if self.virtual:
+            self.virtual_s += self.profile.latency_s
+        elif self.profile.latency_s:
             await asyncio.sleep(self.profile.latency_s)
 
     async def send(self, n: int) -> None:
@@ -72,7 +80,6 @@ class Link:
 
     async def _shape(self, bucket: TokenBucket, n: int, direction: str) -> None:
         if self.virtual:
-            rate = self.profile.up_bytes_s if direction == "up" else self.profile.down_bytes_s
-            self.virtual_s += n / rate
+            self.virtual_s += n / self.profile.rate(direction)
         else:
             await bucket.consume(n)

@@ -1,11 +1,18 @@
-"""Plots of a run's summary: held-out metric and client reward vs time, bytes vs time,
-a per-client timeline of compute and communication."""
+"""A run's report: summary.json, PNG plots (held-out metric and client reward vs time, bytes
+vs time, staleness of accepted updates, a per-client timeline of compute and communication)
+and report.html that shows them with the run's figures."""
 
 from __future__ import annotations
 
+import html
+import json
 from pathlib import Path
 
 import numpy as np
+
+
+def _time_label(summary: dict) -> str:
+    return "virtual time (s)" if summary.get("clock") == "virtual" else "wall time (s)"
 
 
 def write_report(summary: dict, out: Path) -> list[Path]:
@@ -15,8 +22,17 @@ def write_report(summary: dict, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
     replies = [e for e in summary["events"] if e["kind"] == "reply"]
+    xlabel = _time_label(summary)
     paths = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     evals = summary["evals"]
@@ -27,40 +43,82 @@ def write_report(summary: dict, out: Path) -> list[Path]:
         window = max(1, len(r) // 20)
         smooth = np.convolve(r, np.ones(window) / window, mode="valid")
         ax.plot(t[window - 1 :], smooth, color="C1", label="client train reward (moving mean)")
-    ax.set_xlabel("wall time (s)")
+    ax.set_xlabel(xlabel)
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(f"{summary['config']['mode']}: error {summary['initial_eval']:.3f} -> {summary['final_eval']:.3f}")
     ax.legend()
-    fig.tight_layout()
-    paths.append(out / "metric_vs_time.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "metric_vs_time.png")
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     if replies:
         t = [e["t"] for e in replies]
         ax.plot(t, np.cumsum([e["bytes_up"] for e in replies]) / 1e6, label="up")
         ax.plot(t, np.cumsum([e["bytes_down"] for e in replies]) / 1e6, label="down")
-    ax.set_xlabel("wall time (s)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("MB moved (all clients)")
     ax.legend()
-    fig.tight_layout()
-    paths.append(out / "bytes_vs_time.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "bytes_vs_time.png")
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    staleness = [e["staleness"] for e in summary["events"] if e["kind"] == "accepted"]
+    if staleness:
+        ax.hist(staleness, bins=np.arange(max(staleness) + 2) - 0.5, color="C2", rwidth=0.85)
+    ax.set_xlabel("staleness of accepted updates (versions)")
+    ax.set_ylabel("updates")
+    ax.set_title(f"{len(staleness)} accepted, {summary['counts']['rejected']} rejected, "
+                 f"{summary['counts']['errors']} lost (errors, dropouts, deadlines)")
+    save(fig, "staleness_histogram.png")
 
     clients = summary["clients"]
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(clients) + 1.5))
-    for row, (node, c) in enumerate(sorted(clients.items())):
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(clients) + 1.5))
+    for row, (node, c) in enumerate(sorted(clients.items(), key=lambda kv: int(kv[0]))):
         for m in c["timeline"]:
-            start = m["end"] - m["wall_s"]
-            ax.barh(row - 0.18, m["compute_s"], left=start, height=0.32, color="C0")
+            start = m["end"] - m["duration_s"]
+            # overlapped rounds start both threads together; sequential ones are drawn comm first
+            compute_start = start if m["overlap_s"] > 0 else start + m["comm_s"]
+            ax.barh(row - 0.18, m["compute_s"], left=compute_start, height=0.32, color="C0")
             ax.barh(row + 0.18, m["comm_s"], left=start, height=0.32, color="C1")
-    ax.set_yticks(range(len(clients)), [f"client {i}" for i in range(len(clients))])
-    ax.set_xlabel("wall time (s)  (blue: compute, orange: communication)")
+    ax.set_yticks(range(len(clients)), [f"{i} {c.get('profile', '')}" for i, c in enumerate(
+        c for _, c in sorted(clients.items(), key=lambda kv: int(kv[0])))], fontsize=7 if len(clients) > 20 else 9)
+    ax.set_xlabel(f"{xlabel}  (blue: compute, orange: communication)")
     ax.set_title("per-client timeline: overlapping bars are parallel compute and communication")
-    fig.tight_layout()
-    paths.append(out / "client_timeline.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, "client_timeline.png")
+
+    paths.append(write_html(summary, out, [p.name for p in paths]))
     return paths
+
+
+def write_html(summary: dict, out: Path, images: list[str]) -> Path:
+    cfg = summary["config"]
+    scenario = summary.get("scenario", {})
+    figures = [
+        ("scenario", f"{scenario.get('name', '-')}: {scenario.get('description', '')}"),
+        ("mode", f"{cfg['mode']} ({'sync' if cfg['sync'] else 'async'}), clock {summary.get('clock')}"),
+        ("model / task", f"{cfg['model']} / {cfg['task']} {cfg['task_params']}"),
+        ("held-out greedy error", f"{summary['initial_eval']:.3f} -> {summary['final_eval']:.3f}"),
+        ("versions / client rounds", f"{summary['versions']} / {summary['rounds']}"),
+        ("time on the run's clock", f"{summary['time_s']:.1f} s"),
+        ("bytes up / down", f"{summary['bytes_up'] / 1e6:.2f} MB / {summary['bytes_down'] / 1e6:.2f} MB"),
+        ("updates", ", ".join(f"{k} {v}" for k, v in summary["counts"].items())),
+    ]
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in figures)
+    client_rows = "".join(
+        f"<tr><td>{i}</td><td>{html.escape(c.get('profile', ''))}</td><td>{c['messages']}</td>"
+        f"<td>{c['compute_s']:.1f}</td><td>{c['comm_s']:.1f}</td><td>{c['overlap_s']:.1f}</td>"
+        f"<td>{c['bytes_up'] / 1e3:.0f}</td><td>{c['bytes_down'] / 1e3:.0f}</td></tr>"
+        for i, (_, c) in enumerate(sorted(summary["clients"].items(), key=lambda kv: int(kv[0]))))
+    imgs = "".join(f'<figure><img src="{html.escape(name)}" alt="{html.escape(name)}"></figure>' for name in images)
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>fedrl run: {html.escape(scenario.get('name', cfg['mode']))}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse}}
+th,td{{padding:2px 10px;border-bottom:1px solid #ddd;text-align:left}}figure{{display:inline-block;margin:6px}}
+img{{max-width:520px}}</style></head><body>
+<h1>fedrl run report</h1><table>{rows}</table>
+{imgs}
+<h2>clients</h2><table><tr><th>client</th><th>profile</th><th>rounds</th><th>compute s</th><th>comm s</th>
+<th>overlap s</th><th>kB up</th><th>kB down</th></tr>{client_rows}</table>
+<p>Full data: <a href="summary.json">summary.json</a></p></body></html>
+"""
+    path = out / "report.html"
+    path.write_text(page)
+    return path

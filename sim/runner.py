@@ -1,5 +1,5 @@
-"""`fedrl sim`: a real Flower simulation (Ray) of the coordinator and ClientApps, with a live
-status line, then summary.json and PNG plots in the output folder."""
+"""`fedrl sim --scenario NAME|FILE`: a real Flower simulation (Ray) of the coordinator and
+ClientApps, with a live status line, then summary.json, PNG plots and report.html."""
 
 from __future__ import annotations
 
@@ -12,46 +12,50 @@ from tqdm import tqdm
 
 from fedrl.strategies.run_config import RunConfig
 
-# The embedded default: 8 volunteers, compute speed spread 3x, upload 50-400 kB/s.
-DEFAULT_PROFILES = [
-    {"speed": 1.0, "up_bytes_s": 400e3, "down_bytes_s": 1600e3, "latency_s": 0.02},
-    {"speed": 1.0, "up_bytes_s": 200e3, "down_bytes_s": 800e3, "latency_s": 0.05},
-    {"speed": 0.7, "up_bytes_s": 100e3, "down_bytes_s": 400e3, "latency_s": 0.05},
-    {"speed": 0.7, "up_bytes_s": 400e3, "down_bytes_s": 1600e3, "latency_s": 0.02},
-    {"speed": 0.5, "up_bytes_s": 50e3, "down_bytes_s": 200e3, "latency_s": 0.1},
-    {"speed": 0.5, "up_bytes_s": 200e3, "down_bytes_s": 800e3, "latency_s": 0.05},
-    {"speed": 0.35, "up_bytes_s": 100e3, "down_bytes_s": 400e3, "latency_s": 0.1},
-    {"speed": 0.35, "up_bytes_s": 50e3, "down_bytes_s": 200e3, "latency_s": 0.2},
-]
-DEFAULT_CONFIG = RunConfig(min_nodes=8, profiles=json.dumps(DEFAULT_PROFILES))
 
-
-def simulate(cfg: RunConfig, num_clients: int, quiet: bool = False) -> dict:
-    """Run the ServerApp and `num_clients` ClientApps under flwr.simulation.run_simulation."""
+def simulate(cfg: RunConfig, num_clients: int, quiet: bool = False, engine: str = "ray") -> dict:
+    """Run the coordinator and `num_clients` ClientApps: engine "ray" under Flower's
+    run_simulation, "local" in this process (see fedrl.sim.local_grid)."""
     os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    from flwr.simulation import run_simulation
-
     from fedrl.clients.client_app import app as client_app
-    from fedrl.strategies.server_app import make_server_app
 
-    bar = tqdm(total=cfg.versions, desc=f"fedrl sim {cfg.mode}{' sync' if cfg.sync else ' async'}",
-               unit="version", disable=quiet)
+    budgets = f"{cfg.versions} versions" + (f" or {cfg.max_time_s:g} {cfg.clock} s" if cfg.max_time_s else "")
+    bar = tqdm(total=100, desc=f"fedrl sim {cfg.mode}{' sync' if cfg.sync else ' async'} ({budgets})",
+               unit="%", disable=quiet, bar_format="{l_bar}{bar}| {elapsed} {postfix}")
 
     def progress(coord) -> None:
         last = coord.evals[-1]["error"] if coord.evals else float("nan")
-        bar.n = min(coord.version, cfg.versions)
-        bar.set_postfix(replies=coord.counts["replies"], rejected=coord.counts["rejected"], eval_error=f"{last:.3f}")
+        done = coord.version / cfg.versions
+        if cfg.max_time_s:
+            done = max(done, coord.now() / cfg.max_time_s)
+        bar.n = min(100, int(100 * done))
+        bar.set_postfix(version=coord.version, t=f"{coord.now():.1f}s", replies=coord.counts["replies"],
+                        rejected=coord.counts["rejected"], eval_error=f"{last:.3f}")
         bar.refresh()
 
+    if engine == "local":
+        from fedrl.sim.local_grid import LocalGrid
+        from fedrl.strategies.coordinator import run_coordinator
+
+        summary = run_coordinator(LocalGrid(num_clients, client_app), cfg, progress)
+        bar.close()
+        return summary
+    if engine != "ray":
+        raise ValueError(f"engine must be ray or local, got {engine!r}")
+    from flwr.simulation import run_simulation
+
+    from fedrl.strategies.server_app import make_server_app
+
+    # Virtual-clock clients never sleep, so one Ray worker per core serves every node in turn;
+    # on the real clock slow clients sleep, and a fractional CPU lets every client hold a worker.
+    num_cpus = 1.0 if cfg.clock == "virtual" else 2 / num_clients
     results: list[dict] = []
     run_simulation(
         server_app=make_server_app(cfg, progress, results),
         client_app=client_app,
         num_supernodes=num_clients,
-        # A fractional CPU per client lets every client hold a Ray worker at once; simulated slow
-        # clients sleep rather than spin, and each worker uses one torch thread.
-        backend_config={"client_resources": {"num_cpus": 2 / num_clients, "num_gpus": 0.0},
+        backend_config={"client_resources": {"num_cpus": num_cpus, "num_gpus": 0.0},
                         "init_args": {"num_cpus": 2, "include_dashboard": False, "logging_level": "error",
                                       "log_to_driver": False}},
     )
@@ -61,12 +65,9 @@ def simulate(cfg: RunConfig, num_clients: int, quiet: bool = False) -> dict:
     return results[0]
 
 
-def main(args) -> int:
-    from fedrl.sim.report import write_report
-
-    cfg = DEFAULT_CONFIG
+def parse_overrides(items: list[str] | None) -> dict:
     overrides = {}
-    for item in args.set or []:
+    for item in items or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
@@ -74,14 +75,33 @@ def main(args) -> int:
             overrides[key.replace("-", "_")] = json.loads(value)
         except ValueError:  # a bare string such as mode=fedavg-lora
             overrides[key.replace("-", "_")] = value
-    if overrides:
-        cfg = RunConfig.from_mapping({**cfg.__dict__, **overrides})
-    out = Path(args.out or f"runs/sim-{time.strftime('%Y%m%d-%H%M%S')}")
-    cfg = cfg.replace(out_dir=str(out), min_nodes=args.clients)
-    start = time.perf_counter()
-    summary = simulate(cfg, args.clients)
-    plots = write_report(summary, out)
-    print(json.dumps({k: summary[k] for k in ("initial_eval", "final_eval", "versions", "rounds", "bytes_up",
-                                              "bytes_down", "wall_s")}))
-    print(f"wrote {out / 'summary.json'} and {', '.join(p.name for p in plots)} in {time.perf_counter() - start:.0f} s")
+    return overrides
+
+
+def main(args) -> int:
+    from fedrl.sim.report import write_report
+    from fedrl.sim.scenario import load_scenario
+
+    if args.list:
+        from fedrl.sim.scenario import shipped
+
+        for name in shipped():
+            print(f"{name:18} {load_scenario(name).description}")
+        return 0
+    scenario = load_scenario(args.scenario)
+    clients = args.clients or scenario.clients
+    base = RunConfig.from_mapping({**scenario.config.__dict__, **parse_overrides(args.set)})
+    out = Path(args.out or f"runs/sim-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(f"scenario {scenario.name}: {scenario.description} ({clients} clients, seeds {list(scenario.seeds)})")
+    for seed in scenario.seeds:
+        run_out = out / f"seed-{seed}" if len(scenario.seeds) > 1 else out
+        cfg = base.replace(out_dir=str(run_out), min_nodes=clients, seed=seed)
+        start = time.perf_counter()
+        summary = simulate(cfg, clients, engine=args.engine)
+        summary["scenario"] = {"name": scenario.name, "description": scenario.description, "clients": clients}
+        files = write_report(summary, run_out)
+        print(json.dumps({k: summary[k] for k in ("initial_eval", "final_eval", "versions", "rounds", "bytes_up",
+                                                  "bytes_down", "clock", "time_s")}))
+        print(f"wrote {run_out / 'report.html'} ({', '.join(p.name for p in files)}) in "
+              f"{time.perf_counter() - start:.0f} s")
     return 0

@@ -1,7 +1,8 @@
 """The coordinator: block-coordinate rounds over Flower's Grid, never blocking on one client.
 
-It keeps clients busy with push_messages/pull_messages, treats error replies (TTL expiry,
-node gone, client crash) as events, ingests each reported delta from the patch store
+It keeps clients busy with push_messages/pull_messages, handles replies in the order of the
+run's clock (arrival on the wall clock, or virtual arrival time in simulation: fedrl.sim.clock),
+treats error replies (TTL expiry, node gone, client crash or dropout) as events, ingests each reported delta from the patch store
 (bound to the uploading node, verified, staleness-checked, NaN-checked), aggregates per
 block (sync: at the round barrier; async: after `buffer_size` arrivals), publishes every
 new global version as signed patches, checkpoints in the background and can resume.
@@ -24,9 +25,12 @@ from fedrl.patch import PatchError, apply_patch
 from fedrl.patch_chain import PatchPublisher
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import MESSAGE_TYPE, ProtocolError, TrainInstruction, TrainReport
-from fedrl.rollout import greedy_error
+from fedrl.learner import Learner, LearnerConfig, lm_update
+from fedrl.rollout import greedy_error, rollout, score
 from fedrl.signing import generate_signing_key, public_key_pem
 from fedrl.store_client import BlockingStoreClient, StoreError, put_signed_patches
+from fedrl.sim.clock import make_clock
+from fedrl.sim.profiles import ClientProfile
 from fedrl.strategies.aggregation import AggregationConfig, Update, aggregate_block, rejection_reason
 from fedrl.strategies.checkpoint import Checkpointer, load_latest
 from fedrl.strategies.run_config import RunConfig
@@ -36,6 +40,10 @@ from fedrl.tasks import get_task
 log = logging.getLogger("fedrl.coordinator")
 
 
+# In virtual mode the real ttl only guards against lost messages; deadlines are virtual.
+VIRTUAL_MODE_TTL_S = 12 * 3600.0
+
+
 @dataclass
 class Dispatch:
     node: int
@@ -43,11 +51,13 @@ class Dispatch:
     action: str
     version: int
     sent: float
+    arrived: bool = False  # the Grid delivered the reply; the clock decides when it is handled
+    expired: bool = False  # virtual clock: the round outlasted the deadline
 
 
 class Coordinator:
     def __init__(self, grid, cfg: RunConfig, progress=None):
-        from fedrl.clients.block_worker import peft_model
+        from fedrl.clients.block_worker import initial_adapter, peft_model
 
         self.grid, self.cfg, self.progress = grid, cfg, progress
         self.out_dir = Path(cfg.out_dir)
@@ -55,7 +65,7 @@ class Coordinator:
         lm, self.part = peft_model(cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks, 0)
         self.lm = lm
         self.task = get_task(cfg.task, **json.loads(cfg.task_params))
-        self.global_state = self.part.get_all(lm.model)
+        self.global_state = initial_adapter(cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks, 0)
         self.version = 0
         self.scheduler = BlockScheduler(cfg.num_blocks, cfg.schedule, cfg.base_steps, cfg.min_steps, cfg.max_steps, cfg.seed)
         self.agg = AggregationConfig(cfg.alpha, cfg.max_staleness, cfg.clip_norm or None, cfg.robust)
@@ -77,7 +87,13 @@ class Coordinator:
         self.buffer: list[Update] = []
         self.pending_nodes: set[int] = set()  # parablock clients holding an unsent delta
         self.checkpointer = Checkpointer(cfg.checkpoint_dir or self.out_dir / "checkpoints")
-        self.start = time.perf_counter()
+        self.clock = make_clock(cfg.clock)
+        self.step_s = cfg.step_s
+        self.ranks: dict[int, int] = {}
+        self.profiles: list[ClientProfile] = []
+        self.rounds: dict[int, int] = {}  # node -> messages sent
+        self.eval_cpu_s = 0.0  # held-out evaluations, kept apart from the coordinator's own cost
+        self.loop: dict = {}
         self.events: list[dict] = []  # timeline for the report
         self.evals: list[dict] = []
         self.clients: dict[int, dict] = {}
@@ -87,7 +103,7 @@ class Coordinator:
     # ------------------------------------------------------------------ helpers
 
     def now(self) -> float:
-        return time.perf_counter() - self.start
+        return self.clock.now()
 
     def event(self, kind: str, **fields) -> None:
         self.events.append({"t": round(self.now(), 3), "kind": kind, "version": self.version, **fields})
@@ -95,8 +111,10 @@ class Coordinator:
             log.info("%s: %s", kind, fields)
 
     def evaluate(self) -> float:
+        cpu = time.process_time()
         self.part.set_all(self.lm.model, self.global_state)
         error = greedy_error(self.lm, self.task)
+        self.eval_cpu_s += time.process_time() - cpu
         self.evals.append({"t": round(self.now(), 3), "version": self.version, "error": error})
         return error
 
@@ -127,8 +145,31 @@ class Coordinator:
         self.event("resumed", from_version=version)
         return True
 
-    def node_ranks(self) -> dict[int, int]:
-        return {n: i for i, n in enumerate(sorted(self.grid.get_node_ids()))}
+    def refresh_nodes(self) -> dict[int, int]:
+        """Each node's rank (its client id) and profile; ranks follow sorted node ids."""
+        ids = sorted(self.grid.get_node_ids())
+        if len(ids) != len(self.ranks) or any(n not in self.ranks for n in ids):
+            self.ranks = {n: i for i, n in enumerate(ids)}
+            self.profiles = self.cfg.client_profiles(max(len(ids), 1))
+        return self.ranks
+
+    def measure_step_s(self) -> float:
+        """Seconds of one local DG step on this machine: the virtual clock's unit of work."""
+        cfg = self.cfg
+        names = set(self.global_state) if cfg.mode == "fedavg-lora" else set(self.part.names(0))
+        params = dict(self.lm.model.named_parameters())
+        for name, p in params.items():
+            p.requires_grad_(name in names)
+        learner = Learner([params[n] for n in sorted(names)], LearnerConfig(cfg.method, lr=cfg.lr))
+        rng, gen = np.random.default_rng(cfg.seed), torch.Generator().manual_seed(cfg.seed)
+        times = []
+        for _ in range(4):  # the first is a warm-up
+            start = time.perf_counter()
+            batch = score(self.task, rollout(self.lm, self.task, self.task.sample(cfg.prompts, rng), cfg.samples, generator=gen))
+            lm_update(learner, self.lm.model, batch)
+            times.append(time.perf_counter() - start)
+        self.part.set_all(self.lm.model, self.global_state)
+        return float(np.median(times[1:]))
 
     def wait_for_nodes(self) -> None:
         deadline = time.monotonic() + self.cfg.node_wait_s
@@ -141,17 +182,15 @@ class Coordinator:
 
     def instruction(self, node: int, rank: int, block: int, steps: int, action: str) -> TrainInstruction:
         cfg = self.cfg
-        profiles = cfg.profile_list
-        profile = profiles[rank % len(profiles)] if profiles else {}
+        self.rounds[node] = self.rounds.get(node, 0) + 1
         return TrainInstruction(
             action=action, mode=cfg.mode, block=block, steps=steps, version=self.version,
             store_url=self.store_url, principal=node_principal(node), token=token_for(self.secret, node_principal(node)),
             public_key=self.public_key, model=cfg.model, task=cfg.task, task_params=cfg.task_params,
             num_blocks=cfg.num_blocks, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lr=cfg.lr,
             prompts=cfg.prompts, samples=cfg.samples, method=cfg.method, seed=cfg.seed, client_id=rank,
-            num_clients=max(len(self.node_ranks()), 1), speed=float(profile.get("speed", 1.0)),
-            up_bytes_s=float(profile.get("up_bytes_s", 0.0)), down_bytes_s=float(profile.get("down_bytes_s", 0.0)),
-            latency_s=float(profile.get("latency_s", 0.0)),
+            num_clients=max(len(self.ranks), 1), round=self.rounds[node], profile=self.profiles[rank].to_json(),
+            clock=cfg.clock, step_s=self.step_s, now_s=self.now(),
         )
 
     def dispatch(self, node: int, rank: int, action: str = "train") -> None:
@@ -165,13 +204,15 @@ class Coordinator:
             block = self.scheduler.assign_block(node, rank)
             instr = self.instruction(node, rank, block, self.scheduler.steps_for(node), action)
         content = RecordDict({"instruction": ConfigRecord(instr.to_record())})
-        msg = Message(content, dst_node_id=node, message_type=MESSAGE_TYPE, ttl=self.cfg.deadline_s,
-                      group_id=str(self.version))
+        ttl = VIRTUAL_MODE_TTL_S if self.clock.virtual else self.cfg.deadline_s
+        msg = Message(content, dst_node_id=node, message_type=MESSAGE_TYPE, ttl=ttl, group_id=str(self.version))
         ids = list(self.grid.push_messages([msg]))
         if not ids or not ids[0]:
             self.event("error", node=node, reason="message not accepted by the SuperLink")
             return
-        self.in_flight[ids[0]] = Dispatch(node, block, action, self.version, time.perf_counter())
+        self.in_flight[ids[0]] = Dispatch(node, block, action, self.version, self.now())
+        # no reply can come before the round's compute is done (nor after the deadline)
+        self.clock.sent(ids[0], min(instr.steps * self.step_s / self.profiles[rank].speed, self.cfg.deadline_s))
 
     def handle(self, reply: Message) -> None:
         d = self.in_flight.pop(reply.metadata.reply_to_message_id, None)
@@ -180,6 +221,10 @@ class Coordinator:
         if d.action == "train" and d.block >= 0:
             self.scheduler.release(d.block)
         self.counts["replies"] += 1
+        if d.expired:
+            self.counts["errors"] += 1
+            self.event("error", node=d.node, reason=f"deadline {self.cfg.deadline_s} s exceeded (virtual clock)")
+            return
         if reply.has_error():
             self.counts["errors"] += 1
             self.event("error", node=d.node, code=int(reply.error.code), reason=str(reply.error.reason)[:300])
@@ -201,14 +246,14 @@ class Coordinator:
             self.ingest(d.node, report)
 
     def record_client(self, node: int, r: TrainReport) -> None:
-        c = self.clients.setdefault(node, {"messages": 0, "compute_s": 0.0, "comm_s": 0.0, "overlap_s": 0.0,
-                                           "wall_s": 0.0, "bytes_up": 0, "bytes_down": 0, "timeline": []})
+        c = self.clients.setdefault(node, {"profile": self.profiles[self.ranks[node]].name, "messages": 0,
+                                           "compute_s": 0.0, "comm_s": 0.0, "overlap_s": 0.0, "duration_s": 0.0,
+                                           "bytes_up": 0, "bytes_down": 0, "timeline": []})
         c["messages"] += 1
-        for k in ("compute_s", "comm_s", "overlap_s", "wall_s", "bytes_up", "bytes_down"):
+        for k in ("compute_s", "comm_s", "overlap_s", "duration_s", "bytes_up", "bytes_down"):
             c[k] += getattr(r, k)
-        end = self.now()
-        c["timeline"].append({"end": round(end, 3), "wall_s": r.wall_s, "compute_s": r.compute_s, "comm_s": r.comm_s,
-                              "overlap_s": r.overlap_s})
+        c["timeline"].append({"end": round(self.now(), 3), "duration_s": r.duration_s, "compute_s": r.compute_s,
+                              "comm_s": r.comm_s, "overlap_s": r.overlap_s})
         self.event("reply", node=node, reward=r.reward, steps=r.steps, staleness=r.staleness,
                    bytes_up=r.bytes_up, bytes_down=r.bytes_down)
 
@@ -247,6 +292,7 @@ class Coordinator:
             except StoreError:
                 pass
         self.counts["accepted"] += 1
+        self.event("accepted", node=node, block=r.upload_block, staleness=staleness)
         self.buffer.append(update)
 
     def aggregate(self) -> None:
@@ -277,18 +323,43 @@ class Coordinator:
             self.progress(self)
 
     def pull(self) -> int:
-        if not self.in_flight:
+        """Hand the Grid's new replies to the clock, with each round's length on the run's clock."""
+        waiting = [i for i, d in self.in_flight.items() if not d.arrived]
+        if not waiting:
             return 0
-        replies = list(self.grid.pull_messages(list(self.in_flight)))
+        replies = list(self.grid.pull_messages(waiting))
         for reply in replies:
-            self.handle(reply)
+            msg_id = reply.metadata.reply_to_message_id
+            d = self.in_flight.get(msg_id)
+            if d is None or d.arrived:
+                continue
+            d.arrived = True
+            duration = self.cfg.deadline_s  # an error reply is noticed at the deadline
+            if not reply.has_error():
+                try:
+                    duration = float(reply.content["report"]["duration_s"])
+                except (KeyError, TypeError, ValueError):
+                    duration = 0.0  # malformed: handled (and rejected) as soon as it is due
+            if self.clock.virtual and duration > self.cfg.deadline_s:
+                d.expired, duration = True, self.cfg.deadline_s
+            self.clock.arrived(msg_id, reply, duration)
         return len(replies)
+
+    def next_reply(self) -> Message | None:
+        """The next reply due on the run's clock, pulling from the Grid when none is."""
+        due = self.clock.next_due()
+        if due is None and self.pull():
+            due = self.clock.next_due()
+        return due[1] if due else None
 
     # ------------------------------------------------------------------ the loop
 
     def should_stop(self) -> bool:
-        if self.cfg.max_wall_s and self.now() > self.cfg.max_wall_s:
-            self.event("stopped", reason=f"max_wall_s {self.cfg.max_wall_s} reached")
+        if self.cfg.max_time_s and self.now() > self.cfg.max_time_s:
+            self.event("stopped", reason=f"max_time_s {self.cfg.max_time_s} reached on the {self.cfg.clock} clock")
+            return True
+        if self.cfg.target_error and self.evals and self.evals[-1]["error"] <= self.cfg.target_error:
+            self.event("stopped", reason=f"target error {self.cfg.target_error} reached")
             return True
         if self.counts["replies"] - self.replies_at_version >= self.cfg.stall_replies:
             self.event("stopped", reason=f"{self.cfg.stall_replies} replies without an accepted update")
@@ -297,47 +368,64 @@ class Coordinator:
 
     def run(self) -> dict:
         self.wait_for_nodes()
+        self.refresh_nodes()
         self.resume()
+        if self.step_s <= 0:
+            self.step_s = self.measure_step_s()
+            self.event("calibrated", step_s=round(self.step_s, 4))
         self.publish()
         initial = self.evaluate() if not self.evals else self.evals[0]["error"]
         round_open = False
+        last_refresh = time.monotonic()
+        loop_cpu, loop_eval_cpu = time.process_time(), self.eval_cpu_s
         while self.version < self.cfg.versions and not self.should_stop():
-            ranks = self.node_ranks()
-            busy = {d.node for d in self.in_flight.values()}
+            if time.monotonic() - last_refresh > 1.0:
+                self.refresh_nodes()
+                last_refresh = time.monotonic()
             if self.cfg.sync:
                 if not round_open:
-                    for node, rank in ranks.items():
+                    for node, rank in self.ranks.items():
                         self.dispatch(node, rank)
                     round_open = True
             else:
-                for node, rank in ranks.items():
+                busy = {d.node for d in self.in_flight.values()}
+                for node, rank in self.ranks.items():
                     if node not in busy:
                         self.dispatch(node, rank)
-            got = self.pull()
+            reply = self.next_reply()
+            if reply is None:
+                time.sleep(0.02)
+                continue
+            self.handle(reply)
             if self.cfg.sync and round_open and not self.in_flight:
                 self.aggregate()
                 round_open = False
             elif not self.cfg.sync and len(self.buffer) >= self.cfg.buffer_size:
                 self.aggregate()
-            if not got:
-                time.sleep(0.05)
+        loop_time = self.now()  # the simulated span; draining waits out lost messages' deadlines
         self.drain()
         if self.cfg.mode == "parablock" and self.pending_nodes:
-            ranks = self.node_ranks()
-            for node in sorted(self.pending_nodes & set(ranks)):
-                self.dispatch(node, ranks[node], action="flush")
+            self.refresh_nodes()
+            for node in sorted(self.pending_nodes & set(self.ranks)):
+                self.dispatch(node, self.ranks[node], action="flush")
             self.drain()
         self.aggregate()  # whatever arrived after the last aggregation
+        # the coordinator's own cost: the process's CPU over the loop (its thread, the patch store's and
+        # the checkpointer's), held-out evaluations excluded; with in-process clients, theirs too
+        self.loop = {"cpu_s": time.process_time() - loop_cpu - (self.eval_cpu_s - loop_eval_cpu), "time_s": loop_time}
         final = self.evaluate()
         self.checkpointer.flush()
         return self.finish(initial, final)
 
     def drain(self) -> None:
-        """Collect every reply still due (each message has its ttl as deadline)."""
-        deadline = time.monotonic() + self.cfg.deadline_s + 30
+        """Handle every reply still due (each message has its ttl as deadline)."""
+        deadline = time.monotonic() + (self.cfg.deadline_s if not self.clock.virtual else VIRTUAL_MODE_TTL_S) + 30
         while self.in_flight and time.monotonic() < deadline:
-            if not self.pull():
-                time.sleep(0.05)
+            reply = self.next_reply()
+            if reply is None:
+                time.sleep(0.02)
+            else:
+                self.handle(reply)
 
     def finish(self, initial: float, final: float) -> dict:
         self.part.set_all(self.lm.model, self.global_state)
@@ -348,7 +436,8 @@ class Coordinator:
         summary = {
             "config": self.cfg.__dict__, "initial_eval": initial, "final_eval": final, "metric": "greedy_error",
             "rounds": sum(c["messages"] for c in self.clients.values()), "versions": self.version,
-            "bytes_up": bytes_up, "bytes_down": bytes_down, "wall_s": round(self.now(), 2),
+            "bytes_up": bytes_up, "bytes_down": bytes_down, "clock": self.cfg.clock, "time_s": round(self.now(), 2),
+            "step_s": self.step_s, "loop": self.loop,
             "counts": self.counts, "evals": self.evals, "clients": {str(k): v for k, v in self.clients.items()},
             "events": self.events, "adapter_dir": str(adapter_dir),
         }

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from fedrl.protocol import MODES, ProtocolError, record_to_dataclass
+from fedrl.sim.profiles import ClientProfile, ProfileError, resolve_profiles
 
 
 @dataclass(frozen=True)
@@ -39,31 +40,36 @@ class RunConfig:
     eval_every: int = 4
     min_nodes: int = 2
     node_wait_s: float = 120.0
-    max_wall_s: float = 0.0  # 0: no limit
+    max_time_s: float = 0.0  # stop after this many seconds on the run's clock; 0: no limit
+    target_error: float = 0.0  # stop once a held-out eval reaches this error; 0: never
+    clock: str = "real"  # real: wall time; virtual: simulated time (fedrl.sim.clock)
+    step_s: float = 0.0  # virtual seconds per local step at speed 1; 0: measured on this machine at start
     stall_replies: int = 200  # stop when this many replies in a row bring no new version
     seed: int = 0
     out_dir: str = "runs/latest"
     checkpoint_dir: str = ""  # default: OUT_DIR/checkpoints
     store_url: str = ""  # empty: run the patch store inside the ServerApp
     store_secret_file: str = ""  # deployments: the secret shared with the standalone store
-    profiles: str = "[]"  # JSON list of per-client {speed, up_bytes_s, down_bytes_s, latency_s}
+    profiles: str = ""  # a mix name, a profile file, or a JSON list of profiles (fedrl.sim.profiles)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ProtocolError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.versions < 1 or self.buffer_size < 1 or self.min_nodes < 1 or self.eval_every < 1:
             raise ProtocolError("versions, buffer_size, min_nodes and eval_every must be >= 1")
+        if self.clock not in ("real", "virtual") or self.step_s < 0 or self.max_time_s < 0:
+            raise ProtocolError(f"clock must be real or virtual (got {self.clock!r}); step_s, max_time_s >= 0")
         try:
-            profiles = json.loads(self.profiles)
             json.loads(self.task_params)
         except ValueError:
-            raise ProtocolError("profiles and task_params must be JSON") from None
-        if not isinstance(profiles, list) or not all(isinstance(p, dict) for p in profiles):
-            raise ProtocolError("profiles must be a JSON list of objects")
+            raise ProtocolError("task_params must be JSON") from None
+        try:
+            self.client_profiles(1)
+        except ProfileError as err:
+            raise ProtocolError(str(err)) from None
 
-    @property
-    def profile_list(self) -> list[dict]:
-        return json.loads(self.profiles)
+    def client_profiles(self, n: int) -> list[ClientProfile]:
+        return resolve_profiles(self.profiles, n, self.seed)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "RunConfig":

@@ -53,7 +53,7 @@ def test_instruction_round_trip_and_validation():
 def test_report_rejects_a_bad_upload_key():
     fields = dict(upload_key="xyz", upload_block=0, upload_base_version=0, upload_samples=1, synced_version=0,
                   reward=0.0, loss=0.0, gate_mean=0.0, steps=1, compute_s=0.0, comm_s=0.0, overlap_s=0.0,
-                  wall_s=0.0, bytes_up=0, bytes_down=0, staleness=0)
+                  duration_s=0.0, bytes_up=0, bytes_down=0, staleness=0)
     with pytest.raises(ProtocolError, match="SHA-256"):
         TrainReport.from_record(fields)
 

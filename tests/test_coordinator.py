@@ -123,3 +123,12 @@ def test_exported_adapter_loads_with_peft_and_reproduces_the_final_eval(tmp_path
     lm = load_model("tiny-base")
     lm.model = PeftModel.from_pretrained(lm.model, summary["adapter_dir"]).eval()
     assert greedy_error(lm, get_task("reversal", **json.loads(cfg.task_params))) == summary["final_eval"]
+
+
+def test_a_second_run_in_the_same_process_starts_from_the_fresh_adapter(tmp_path):
+    """The model is shared in-process (coordinator and local clients); a new run must not
+    inherit the weights the previous one trained into it."""
+    first = run_coordinator(FakeGrid(3, client_app), config(tmp_path / "a", versions=2, eval_every=1))
+    assert first["final_eval"] != first["initial_eval"]
+    second = run_coordinator(FakeGrid(3, client_app), config(tmp_path / "b", versions=1))
+    assert second["initial_eval"] == first["initial_eval"]

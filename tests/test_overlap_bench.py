@@ -12,11 +12,11 @@ def cases():
         fed.close()
 
 
-def test_virtual_case_is_exact_arithmetic(cases):
+def test_virtual_case_runs_the_client_on_the_virtual_clock(cases):
     (v,) = [c for c in cases if c["mode"] == "virtual"]
-    assert v["round_s_sequential"] == pytest.approx(v["compute_s"] + v["comm_s"])
-    assert v["round_s_overlapped"] == pytest.approx(max(v["compute_s"], v["comm_s"]))
-    assert v["comm_s"] == pytest.approx(v["compute_s"])  # ratio 1: the link was sized for it
+    assert v["round_s_overlapped"] == pytest.approx(max(v["compute_s"], v["comm_s"]))  # exact composition
+    assert v["round_s_sequential"] > v["round_s_overlapped"]
+    assert v["comm_s"] == pytest.approx(v["compute_s"], rel=0.15)  # ratio 1: the link was sized for it
 
 
 def test_real_case_measures_shaped_rounds(cases):

@@ -1,10 +1,11 @@
 """`fedrl bench overlap`: round time of block-sequential vs parablock rounds vs the ideal
 max(comm, compute), across comm/compute ratios.
 
-Real mode runs the ClientApp's own block worker against a real patch store on loopback,
-its link shaped by a token bucket whose bandwidth is set so that the round's bytes take
-`ratio` x the measured compute time. Virtual mode takes the same measured compute time and
-bytes and accounts link seconds exactly (latency + bytes / bandwidth), without waiting.
+Both modes run the ClientApp's own block worker against a real patch store on loopback,
+with a link whose bandwidth is set so that the round's bytes take `ratio` x the measured
+compute time. Real mode shapes the transfers with a token bucket and times the round on the
+wall clock; virtual mode runs the same round on the virtual clock (each step charged the
+measured step time, link seconds = latency + bytes / bandwidth) and reads its duration.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import TrainInstruction
 from fedrl.signing import generate_signing_key, public_key_pem
 from fedrl.sim.link import LinkProfile
+from fedrl.sim.profiles import ClientProfile
 from fedrl.store_client import BlockingStoreClient, put_signed_patches
 
 NUM_BLOCKS, BLOCK = 3, 1
@@ -48,21 +50,22 @@ class Federation:
         new_block = {n: v0[n] + 1e-3 * torch.randn(v0[n].shape, generator=g) for n in names}
         self.state = ClientState(v0, v0, 0, Pending(BLOCK, 0, {n: v0[n] for n in names}, new_block, 64))
 
-    def instruction(self, mode: str, steps: int, link: LinkProfile | None) -> TrainInstruction:
+    def instruction(self, mode: str, steps: int, link: LinkProfile | None, step_s: float = 0.0) -> TrainInstruction:
         link = link or LinkProfile()
-        rate = lambda r: 0.0 if r == float("inf") else r
+        profile = ClientProfile(up_bytes_s=link.up_bytes_s, down_bytes_s=link.down_bytes_s, latency_s=link.latency_s)
         return TrainInstruction(
             action="train", mode=mode, block=BLOCK, steps=steps, version=1, store_url=self.server.url,
             principal=node_principal(1), token=token_for(self.secret, node_principal(1)), public_key=self.public_key,
             model="tiny-base", task="reversal", task_params=json.dumps({"length": 8}), num_blocks=NUM_BLOCKS,
             lora_rank=8, lora_alpha=16.0, lr=5e-4, prompts=8, samples=8, method="dg", seed=0, client_id=0,
-            num_clients=1, up_bytes_s=rate(link.up_bytes_s), down_bytes_s=rate(link.down_bytes_s), latency_s=link.latency_s,
+            num_clients=1, profile=profile.to_json(), clock="virtual" if step_s else "real", step_s=step_s,
         )
 
-    def round(self, mode: str, steps: int, link: LinkProfile | None):
-        """One round from the same starting state; parablock starts with a pending delta to push."""
+    def round(self, mode: str, steps: int, link: LinkProfile | None, step_s: float = 0.0):
+        """One round from the same starting state; parablock starts with a pending delta to push.
+        step_s > 0: on the virtual clock, each step charged step_s."""
         state = self.state if mode == "parablock" else ClientState(self.state.local, self.state.held, 0, None)
-        report, _ = handle(self.instruction(mode, steps, link), state)
+        report, _ = handle(self.instruction(mode, steps, link, step_s), state)
         return report
 
     def close(self) -> None:
@@ -82,15 +85,15 @@ def measure(fed: Federation, ratios: list[float], steps: int, repeats: int) -> l
         # comm = 2 latencies + (up + down) / rate = ratio * compute  (symmetric link)
         rate = (up + down) / max(ratio * compute - 2 * latency, 1e-3)
         link = LinkProfile(rate, rate, latency)
-        comm = link.seconds(up, "up") + link.seconds(down, "down")
-        cases.append(_case("virtual", ratio, down / rate + latency + compute + up / rate + latency,
-                           max(compute, comm), compute, comm))
+        vseq = fed.round("block-sequential", steps, link, compute / steps)
+        vpar = fed.round("parablock", steps, link, compute / steps)
+        cases.append(_case("virtual", ratio, vseq.duration_s, vpar.duration_s, vpar.compute_s, vpar.comm_s))
         seq = [fed.round("block-sequential", steps, link) for _ in range(repeats)]
         par = [fed.round("parablock", steps, link) for _ in range(repeats)]
-        best_par = min(par, key=lambda r: r.wall_s)
+        best_par = min(par, key=lambda r: r.duration_s)
         # the ideal for the overlapped round is max of its own compute and its own transfers
         # (the sequential round moves a different pending delta and opens a second session)
-        cases.append(_case("real", ratio, min(r.wall_s for r in seq), best_par.wall_s, best_par.compute_s,
+        cases.append(_case("real", ratio, min(r.duration_s for r in seq), best_par.duration_s, best_par.compute_s,
                            best_par.comm_s))
     return cases
 

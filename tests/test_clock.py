@@ -1,0 +1,96 @@
+import json
+
+import pytest
+from flwr.app import Message
+
+from fedrl.clients.client_app import app as client_app
+from fedrl.sim.clock import RealClock, VirtualClock, make_clock, round_seconds
+from fedrl.strategies.coordinator import run_coordinator
+from fedrl.strategies.run_config import RunConfig
+from fake_grid import FakeGrid
+
+
+def test_round_seconds_composes_threads():
+    assert round_seconds(True, 4.0, 1.5, 0.0) == (4.0, 1.5)  # comm hidden under compute
+    assert round_seconds(True, 1.0, 3.0, 0.5) == (3.5, 1.0)  # compute waits for the patch
+    assert round_seconds(False, 4.0, 1.5, 0.5) == (6.0, 0.0)
+
+
+def test_virtual_clock_hands_out_replies_in_arrival_order_only_when_safe():
+    clock = VirtualClock()
+    clock.sent("a", 1.0)
+    clock.sent("b", 5.0)
+    clock.sent("c", 2.0)
+    clock.arrived("b", "B", 6.0)
+    assert clock.next_due() is None  # "a" and "c" may still arrive before t=6
+    clock.arrived("c", "C", 3.0)
+    assert clock.next_due() is None  # "a" could arrive at t>=1 < 3
+    clock.arrived("a", "A", 4.0)
+    assert [clock.next_due()[1] for _ in range(3)] == ["C", "A", "B"]
+    assert clock.now() == 6.0 and clock.next_due() is None
+    clock.sent("d", 10.0)  # lookahead: nothing can arrive before t=16
+    clock.sent("e", 1.0)
+    clock.arrived("e", "E", 2.0)
+    assert clock.next_due() == ("e", "E") and clock.now() == 8.0
+
+
+def test_real_clock_keeps_arrival_order_and_make_clock_checks_mode():
+    clock = make_clock("real")
+    assert isinstance(clock, RealClock) and not clock.virtual
+    clock.arrived("x", "X", 100.0)
+    clock.arrived("y", "Y", 0.0)
+    assert [clock.next_due()[1], clock.next_due()[1]] == ["X", "Y"]
+    with pytest.raises(ValueError):
+        make_clock("lunar")
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+
+
+class ScrambledGrid(FakeGrid):
+    """Delivers replies late and newest first, so wall-clock order is the wrong order."""
+
+    def pull_messages(self, ids):
+        ready = [i for i in ids if i in self.replies]
+        if len(ready) < 2 and len(ready) < len(ids):
+            return []
+        return [self.replies.pop(i) for i in reversed(ready)]
+
+
+def virtual_config(tmp_path, profiles, **kw) -> RunConfig:
+    """Three clients, 2 steps of 1 virtual second each at speed 1."""
+    return RunConfig(clock="virtual", step_s=1.0, base_steps=2, min_steps=2, max_steps=2, prompts=2, samples=2,
+                     min_nodes=3, eval_every=100, out_dir=str(tmp_path / "run"), profiles=json.dumps(profiles),
+                     task_params=json.dumps({"length": 8, "num_eval": 16}), **kw)
+
+
+def test_coordinator_orders_arrivals_by_virtual_time(tmp_path):
+    profiles = [{"name": "fast", "speed": 4.0}, {"name": "mid", "speed": 1.0}, {"name": "slow", "speed": 0.25}]
+    cfg = virtual_config(tmp_path, profiles, mode="parablock", sync=False, versions=6, buffer_size=1)
+    summary = run_coordinator(ScrambledGrid(3, client_app), cfg)
+    replies = [e for e in summary["events"] if e["kind"] == "reply"]
+    times = [e["t"] for e in replies]
+    assert times == sorted(times), "replies were handled out of virtual order"
+    by_speed = {c["profile"]: c for c in summary["clients"].values()}
+    # 2 steps at 1 s per step: 0.5 s for the fast client, 8 s for the slow one (no links: comm 0)
+    assert by_speed["fast"]["timeline"][0]["duration_s"] == pytest.approx(0.5)
+    assert by_speed["slow"]["timeline"][0]["duration_s"] == pytest.approx(8.0)
+    assert by_speed["fast"]["messages"] > 4 * by_speed["slow"]["messages"] - 4
+    first_slow = by_speed["slow"]["timeline"][0]["end"]
+    assert first_slow == pytest.approx(8.0)
+    assert summary["clock"] == "virtual" and summary["time_s"] >= 8.0
+
+
+def test_virtual_deadline_cuts_stragglers_and_dropouts_are_errors(tmp_path):
+    profiles = [{"name": "ok", "speed": 1.0}, {"name": "straggler", "speed": 0.01}, {"name": "flaky", "dropout": 0.99}]
+    cfg = virtual_config(tmp_path, profiles, mode="block-sequential", sync=True, versions=2, deadline_s=50.0)
+    summary = run_coordinator(FakeGrid(3, client_app), cfg)
+    assert summary["versions"] == 2
+    errors = [e["reason"] for e in summary["events"] if e["kind"] == "error"]
+    assert sum("deadline 50.0 s exceeded" in r for r in errors) == 2  # the straggler, each round
+    assert sum("dropped out" in r for r in errors) == 2
+    assert summary["time_s"] == pytest.approx(100.0)  # each round closes at its deadline
