@@ -24,3 +24,10 @@ def test_eval_prints_json_metric():
 def test_bad_task_is_a_clear_error():
     out = run("eval", "--task", "chess")
     assert out.returncode == 2 and "unknown task" in out.stderr
+
+
+def test_sim_lists_scenarios_and_refuses_unknown_ones_clearly():
+    out = run("sim", "--list")
+    assert out.returncode == 0 and "mixed-volunteers" in out.stdout and "default" in out.stdout
+    out = run("sim", "--scenario", "atlantis")
+    assert out.returncode == 2 and "unknown scenario 'atlantis'" in out.stderr
