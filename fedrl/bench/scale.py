@@ -59,7 +59,8 @@ def run_case(case: dict) -> dict:
         "coordinator_overhead": cpu / max(virtual_s, 1e-9),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "virtual_s": virtual_s, "wall_s": wall, "step_s": summary["step_s"],
-        "wall_s_per_virtual_hour": wall / max(virtual_s, 1e-9) * 3600,
+        # the whole run on both clocks (the drain waits out lost messages' deadlines in virtual time)
+        "wall_s_per_virtual_hour": wall / max(summary["time_s"], 1e-9) * 3600,
         "client_cpu_s": grid.client_cpu_s,
     }
 
