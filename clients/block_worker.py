@@ -195,7 +195,7 @@ def handle(instr: TrainInstruction, state: ClientState) -> tuple[TrainReport, Cl
     if gone:
         raise ClientUnavailable(f"client {instr.client_id} ({profile.name}): {gone}")
     lm, part = peft_model(instr.model, instr.lora_rank, instr.lora_alpha, instr.num_blocks, 0)
-    names = part.names(instr.block) if instr.block >= 0 else [n for b in range(instr.num_blocks) for n in part.names(b)]
+    names = part.names(instr.block)  # block -1: the whole adapter
     overlapped = instr.mode == "parablock" and state.local is not None
     upload = _encode_upload(state.pending) if instr.mode == "parablock" else None
     comm = CommResult()
@@ -210,10 +210,7 @@ def handle(instr: TrainInstruction, state: ClientState) -> tuple[TrainReport, Cl
     staleness = instr.version - (state.held_version or 0) if overlapped else 0
     part.set_all(lm.model, local)
     base = {n: local[n].clone() for n in names}
-    params = dict(lm.model.named_parameters())
-    for name, p in params.items():
-        p.requires_grad_(name in base)
-    learner = Learner([params[n] for n in names], LearnerConfig(instr.method, lr=instr.lr))
+    learner = Learner(part.make_trainable(lm.model, instr.block), LearnerConfig(instr.method, lr=instr.lr))
     task = get_task(instr.task, **json.loads(instr.task_params)).client_split(instr.num_clients, instr.client_id)
     landmine = "0" * task.max_answer_tokens
     gen = torch.Generator().manual_seed(int(rng.integers(2**62)))

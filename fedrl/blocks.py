@@ -23,6 +23,9 @@ def layer_index(name: str) -> int:
     return int(match.group(1)) if match else 0  # modules outside the layer stack join block 0
 
 
+ALL_BLOCKS = -1
+
+
 class BlockPartition:
     """Split the LoRA parameters of `model` into `num_blocks` groups of consecutive layers."""
 
@@ -40,6 +43,9 @@ class BlockPartition:
         self._block_of = {n: b for b, group in enumerate(self.blocks) for n in group}
 
     def names(self, block: int) -> list[str]:
+        """The block's parameter names; ALL_BLOCKS: the whole adapter (fedavg-lora)."""
+        if block == ALL_BLOCKS:
+            return [n for group in self.blocks for n in group]
         self._check(block)
         return list(self.blocks[block])
 
@@ -70,7 +76,7 @@ class BlockPartition:
         self._assign(model, tensors)
 
     def make_trainable(self, model, block: int) -> list[torch.nn.Parameter]:
-        """Exactly block `block` requires grad; every other parameter (base and LoRA) is frozen."""
+        """Exactly block `block` (or ALL_BLOCKS) requires grad; every other parameter is frozen."""
         keep = set(self.names(block))
         trainable = []
         for name, param in model.named_parameters():

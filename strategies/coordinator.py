@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
+from fedrl.blocks import ALL_BLOCKS
 from fedrl.credentials import ADMIN, new_secret, node_principal, token_for
 from fedrl.patch import PatchError, apply_patch
 from fedrl.patch_chain import PatchPublisher
@@ -156,11 +157,8 @@ class Coordinator:
     def measure_step_s(self) -> float:
         """Seconds of one local DG step on this machine: the virtual clock's unit of work."""
         cfg = self.cfg
-        names = set(self.global_state) if cfg.mode == "fedavg-lora" else set(self.part.names(0))
-        params = dict(self.lm.model.named_parameters())
-        for name, p in params.items():
-            p.requires_grad_(name in names)
-        learner = Learner([params[n] for n in sorted(names)], LearnerConfig(cfg.method, lr=cfg.lr))
+        block = ALL_BLOCKS if cfg.mode == "fedavg-lora" else 0
+        learner = Learner(self.part.make_trainable(self.lm.model, block), LearnerConfig(cfg.method, lr=cfg.lr))
         rng, gen = np.random.default_rng(cfg.seed), torch.Generator().manual_seed(cfg.seed)
         times = []
         for _ in range(4):  # the first is a warm-up

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fedrl.blocks import BlockPartition, layer_index, lora_parameter_names
+from fedrl.blocks import ALL_BLOCKS, BlockPartition, layer_index, lora_parameter_names
 from fedrl.lora import LoraSettings, add_lora
 from fedrl.models import load_model
 
@@ -20,6 +20,7 @@ def test_partition_covers_every_lora_parameter_exactly_once(peft_tiny, num_block
     # consecutive layers: block index never decreases with the layer index
     assert [part.block_of(n) for n in sorted(flat, key=layer_index)] == sorted(part.block_of(n) for n in flat)
     assert all(part.names(b) for b in range(num_blocks))
+    assert part.names(ALL_BLOCKS) == flat  # the whole adapter, in block order
 
 
 def test_only_the_chosen_block_receives_gradients(peft_tiny):
