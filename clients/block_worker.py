@@ -8,6 +8,7 @@ Two threads run at once in `parablock` mode:
 When the new global state lands, block-level correction: blocks other than b take the
 new global values, block b is rebased: local[b] = global[b] + (local[b] - base[b]).
 `block-sequential` and `fedavg-lora` do the same pieces one after another.
+Links, pacing, timing and the actor's faults come from the runtime (fedrl.clients.runtime).
 """
 
 from __future__ import annotations
@@ -16,24 +17,20 @@ import asyncio
 import json
 import threading
 import time
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from fedrl.blocks import BlockPartition
-from fedrl.frictions import corrupt_rewards, inject_bugs
+from fedrl.clients.model_cache import ModelCache
+from fedrl.clients.runtime import CommResult, Runtime, Timing, current_runtime
 from fedrl.learner import Learner, LearnerConfig, lm_update
-from fedrl.lora import LoraSettings, add_lora
-from fedrl.models import LoadedModel, load_model
+from fedrl.lora import AdapterModel
 from fedrl.patch import encode_patch
 from fedrl.patch_chain import PatchRef, synchronize
-from fedrl.protocol import TrainInstruction, TrainReport
+from fedrl.protocol import NO_UPLOAD, TrainInstruction, TrainReport
 from fedrl.rollout import rollout, score
 from fedrl.signing import load_public_key, verify_signed_patch
-from fedrl.sim.clock import round_seconds
-from fedrl.sim.link import Link
 from fedrl.store_client import PatchStoreClient
 from fedrl.tasks import get_task
 
@@ -59,38 +56,6 @@ class ClientState:
     pending: Pending | None = None
 
 
-@dataclass
-class CommResult:
-    held: Tensors | None = None
-    upload_key: str = ""
-    bytes_up: int = 0
-    bytes_down: int = 0
-    intervals: list[tuple[float, float]] = field(default_factory=list)  # when the link was busy
-    virtual_s: float = 0.0  # the link's seconds in virtual mode
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-@lru_cache(maxsize=2)
-def _cached_peft_model(model: str, rank: int, alpha: float, num_blocks: int, seed: int):
-    lm = load_model(model)
-    lm.model = add_lora(lm.model, LoraSettings(rank=rank, alpha=alpha), seed=seed)
-    part = BlockPartition(lm.model, num_blocks)
-    return lm, part, part.get_all(lm.model)
-
-
-def peft_model(model: str, rank: int, alpha: float, num_blocks: int, seed: int) -> tuple[LoadedModel, BlockPartition]:
-    """The base model with a LoRA adapter, loaded once per process and shared by every user in
-    it (each message, or the coordinator, sets the weights it needs before using it)."""
-    lm, part, _ = _cached_peft_model(model, rank, alpha, num_blocks, seed)
-    return lm, part
-
-
-def initial_adapter(model: str, rank: int, alpha: float, num_blocks: int, seed: int) -> Tensors:
-    """The adapter's freshly initialized values, whatever the shared model was trained to since."""
-    return {n: t.clone() for n, t in _cached_peft_model(model, rank, alpha, num_blocks, seed)[2].items()}
-
-
 def block_correction(local: Tensors, base: Tensors, new_global: Tensors, block_names: list[str]) -> tuple[Tensors, Tensors]:
     """Other blocks take the new global values; the trained block keeps its progress on top of
     the new global block. Returns the corrected local copy and the new base of the block."""
@@ -100,18 +65,16 @@ def block_correction(local: Tensors, base: Tensors, new_global: Tensors, block_n
     return corrected, {n: new_global[n].clone() for n in block_names}
 
 
-def overlap_seconds(a: tuple[float, float], b: tuple[float, float]) -> float:
-    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
-
-
-def communicate(instr: TrainInstruction, state: ClientState, upload: bytes | None, sync: str, result: CommResult) -> None:
+def communicate(instr: TrainInstruction, state: ClientState, upload: bytes | None, sync: str,
+                result: CommResult, runtime: Runtime) -> None:
     """The communication thread: upload (if any), then bring the held global adapter to
     instr.version: sync="patch" by the cheapest verified patches, "full" by an anchor only
     (fedavg-lora exchanges the whole adapter), "none" to skip."""
     start = time.perf_counter()
+    link = runtime.open_link()
+    result.links.append(link)
     loop = asyncio.new_event_loop()
     run = loop.run_until_complete
-    link = Link(instr.client_profile.link, virtual=instr.clock == "virtual")
     client = PatchStoreClient(instr.store_url, instr.principal, instr.token, link)
     try:
         run(client.__aenter__())
@@ -124,7 +87,7 @@ def communicate(instr: TrainInstruction, state: ClientState, upload: bytes | Non
                 held = state.held if sync == "patch" else None
                 if sync == "full":
                     refs = [r for r in refs if r.base_version is None]
-                fetch = lambda ref: verify_signed_patch(run(client.get(ref.key)), public_key)
+                fetch = lambda ref: verify_signed_patch(run(client.get(ref.key)), public_key)  # noqa: E731
                 result.held, _ = synchronize(held, state.held_version if held else None, instr.version, refs, fetch)
         finally:
             run(client.__aexit__(None, None, None))
@@ -132,17 +95,8 @@ def communicate(instr: TrainInstruction, state: ClientState, upload: bytes | Non
         result.error = err
     finally:
         loop.close()
-        result.bytes_up, result.bytes_down, result.virtual_s = link.bytes_up, link.bytes_down, link.virtual_s
         result.intervals.append((start, time.perf_counter()))
         result.done.set()
-
-
-def _run_comm(instr: TrainInstruction, state: ClientState, upload: bytes | None, sync: str) -> CommResult:
-    result = CommResult()
-    communicate(instr, state, upload, sync, result)
-    if result.error:
-        raise result.error
-    return result
 
 
 def _encode_upload(pending: Pending | None, full: bool = False) -> bytes | None:
@@ -155,115 +109,101 @@ def _encode_upload(pending: Pending | None, full: bool = False) -> bytes | None:
     return encode_patch(pending.base, pending.new, pending.base_version, pending.base_version)
 
 
-class ClientUnavailable(RuntimeError):
-    """A simulated client went offline or dropped out: the message gets no report."""
+def _comm_thread(instr, state, upload, sync, runtime) -> tuple[threading.Thread, CommResult]:
+    result = CommResult()
+    thread = threading.Thread(target=communicate, args=(instr, state, upload, sync, result, runtime),
+                              name="comm", daemon=True)
+    thread.start()
+    return thread, result
 
 
-@dataclass(frozen=True)
-class Timing:
-    compute_s: float
-    comm_s: float
-    overlap_s: float
-    duration_s: float
+def _finish(thread: threading.Thread, result: CommResult) -> CommResult:
+    thread.join()
+    if result.error:
+        raise result.error
+    return result
 
 
-def measured(compute: tuple[float, float], comm: CommResult, start: float) -> Timing:
-    """Wall-clock timing of a round (real clock)."""
-    return Timing(compute[1] - compute[0], sum(end - begin for begin, end in comm.intervals),
-                  sum(overlap_seconds(compute, iv) for iv in comm.intervals), time.perf_counter() - start)
-
-
-def virtual(overlapped: bool, compute_s: float, before_s: float, after_s: float) -> Timing:
-    duration, overlap = round_seconds(overlapped, compute_s, before_s, after_s)
-    return Timing(compute_s, before_s + after_s, overlap, duration)
-
-
-def handle(instr: TrainInstruction, state: ClientState) -> tuple[TrainReport, ClientState]:
+def handle(instr: TrainInstruction, state: ClientState, models: ModelCache) -> tuple[TrainReport, ClientState]:
     """Do what `instr` asks; returns the report and the state to keep for the next message."""
     start = time.perf_counter()
-    profile, on_virtual_clock = instr.client_profile, instr.clock == "virtual"
+    runtime = current_runtime()
     if instr.action == "flush":  # parablock's last round: push the pending delta
-        comm = _run_comm(instr, state, _encode_upload(state.pending), "none")
-        timing = virtual(False, 0.0, comm.virtual_s, 0.0) if on_virtual_clock else measured((start, start), comm, start)
-        report = _report(instr, state.pending, comm, timing, [], 0, state.held_version or 0)
+        comm = _finish(*_comm_thread(instr, state, _encode_upload(state.pending), "none", runtime))
+        timing = runtime.timing(False, (start, start), 0, comm, None, start)
+        report = _report(state.pending, comm, timing, [], 0, state.held_version or 0)
         return report, ClientState(state.local, state.held, state.held_version)
 
-    rng = np.random.default_rng([instr.seed, instr.client_id, instr.round])
-    step_v = instr.step_s / profile.speed  # virtual seconds per step
-    gone = profile.offline_reason(instr.client_id, instr.now_s, instr.steps * step_v,
-                                  np.random.default_rng([instr.seed, instr.client_id, instr.round, 1]))
-    if gone:
-        raise ClientUnavailable(f"client {instr.client_id} ({profile.name}): {gone}")
-    lm, part = peft_model(instr.model, instr.lora_rank, instr.lora_alpha, instr.num_blocks, 0)
-    names = part.names(instr.block)  # block -1: the whole adapter
+    adapter = models.get(instr.model, instr.lora_rank, instr.lora_alpha, instr.num_blocks)
+    names = adapter.part.names(instr.block)  # block -1: the whole adapter
     overlapped = instr.mode == "parablock" and state.local is not None
     upload = _encode_upload(state.pending) if instr.mode == "parablock" else None
-    comm = CommResult()
     sync = "full" if instr.mode == "fedavg-lora" else "patch"
-    comm_thread = threading.Thread(target=communicate, args=(instr, state, upload, sync, comm), name="comm", daemon=True)
-    comm_thread.start()
-    if not overlapped:  # sequential modes, and a parablock client's first round: sync first
-        comm_thread.join()
-        if comm.error:
-            raise comm.error
-    local = state.local if overlapped else comm.held
+    thread, comm = _comm_thread(instr, state, upload, sync, runtime)
+    try:  # the comm thread is joined on every path, also when compute fails
+        if not overlapped:  # sequential modes, and a parablock client's first round: sync first
+            _finish(thread, comm)
+        local = state.local if overlapped else comm.held
+        base, corrected, metrics, compute = _train(instr, adapter, names, local, comm, runtime, not overlapped)
+    finally:
+        thread.join()
+    if comm.error:
+        raise comm.error
+    if not corrected:  # the patch landed after the last step: correct now
+        base = _correct(adapter, comm.held, base, names)
+    new_local = adapter.part.get_all(adapter.lm.model)
     staleness = instr.version - (state.held_version or 0) if overlapped else 0
+    pending = Pending(instr.block, instr.version, base, {n: new_local[n].clone() for n in names},
+                      instr.steps * instr.prompts * instr.samples)
+    after = None
+    if instr.mode == "parablock":
+        uploaded, keep = (state.pending if upload is not None else None), pending
+    else:  # sequential modes upload this round's delta after compute, through the same kind of link
+        after = _finish(*_comm_thread(instr, state, _encode_upload(pending, full=instr.mode == "fedavg-lora"),
+                                      "none", runtime))
+        comm.upload_key = after.upload_key
+        uploaded, keep = pending, None
+    timing = runtime.timing(overlapped, compute, len(metrics), comm, after, start)
+    if after is not None:
+        comm.links += after.links
+    report = _report(uploaded, comm, timing, metrics, staleness, instr.version)
+    return report, ClientState(new_local, comm.held, instr.version, keep)
+
+
+def _train(instr: TrainInstruction, adapter: AdapterModel, names: list[str], local: Tensors, comm: CommResult,
+           runtime: Runtime, corrected: bool) -> tuple[Tensors, bool, list[dict], tuple[float, float]]:
+    """The compute thread's local DG steps on the block; applies block correction between
+    steps once the comm thread's patch has landed. Returns the block's base, whether it was
+    corrected, per-step metrics and the compute interval (wall clock)."""
+    lm, part = adapter.lm, adapter.part
     part.set_all(lm.model, local)
     base = {n: local[n].clone() for n in names}
     learner = Learner(part.make_trainable(lm.model, instr.block), LearnerConfig(instr.method, lr=instr.lr))
-    task = get_task(instr.task, **json.loads(instr.task_params)).client_split(instr.num_clients, instr.client_id)
-    landmine = "0" * task.max_answer_tokens
+    task = get_task(instr.task, **json.loads(instr.task_params)).client_split(instr.data_shards, instr.shard)
+    rng = np.random.default_rng([instr.seed, instr.client_id, instr.round])
     gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
-    corrected = not overlapped
     metrics: list[dict] = []
     compute_start = time.perf_counter()
     for _ in range(instr.steps):
         step_start = time.perf_counter()
         batch = rollout(lm, task, task.sample(instr.prompts, rng), instr.samples, generator=gen)
-        inject_bugs(batch, lm, landmine, profile.bug_prob, rng)  # this client's frictions
+        runtime.perturb_rollouts(batch, lm, task, rng)
         score(task, batch)
-        corrupt_rewards(batch.rewards, profile.reward_noise_prob, rng)
+        runtime.perturb_rewards(batch.rewards, rng)
         metrics.append(lm_update(learner, lm.model, batch))
-        if profile.speed != 1.0 and not on_virtual_clock:  # a slower (or faster) machine than this one
-            time.sleep(max(0.0, (1.0 / profile.speed - 1.0) * (time.perf_counter() - step_start)))
-        # the patch lands when the comm thread is done: in wall time, or (virtual clock) once
-        # the steps computed so far take longer than the link's virtual seconds
-        landed = comm.done.is_set() and (not on_virtual_clock or len(metrics) * step_v >= comm.virtual_s)
-        if not corrected and landed and comm.error is None:
-            base, corrected = _correct(lm, part, comm.held, base, names), True
-    compute_end = time.perf_counter()
-    comm_thread.join()
-    if comm.error:
-        raise comm.error
-    if not corrected:
-        base = _correct(lm, part, comm.held, base, names)
-    new_local = part.get_all(lm.model)
-    samples = instr.steps * instr.prompts * instr.samples
-    pending = Pending(instr.block, instr.version, base, {n: new_local[n].clone() for n in names}, samples)
-    before_s, after_s = comm.virtual_s, 0.0
-    if instr.mode == "parablock":
-        uploaded, keep = (state.pending if upload is not None else None), pending
-    else:  # sequential modes upload this round's delta after compute, through the same link
-        after = _run_comm(instr, state, _encode_upload(pending, full=instr.mode == "fedavg-lora"), "none")
-        comm.upload_key, comm.bytes_up = after.upload_key, comm.bytes_up + after.bytes_up
-        comm.intervals += after.intervals
-        after_s = after.virtual_s
-        uploaded, keep = pending, None
-    if on_virtual_clock:
-        timing = virtual(overlapped, len(metrics) * step_v, before_s, after_s)
-    else:
-        timing = measured((compute_start, compute_end), comm, start)
-    report = _report(instr, uploaded, comm, timing, metrics, staleness, instr.version)
-    return report, ClientState(new_local, comm.held, instr.version, keep)
+        runtime.pace(time.perf_counter() - step_start)
+        if not corrected and runtime.landed(comm, len(metrics)) and comm.error is None:
+            base, corrected = _correct(adapter, comm.held, base, names), True
+    return base, corrected, metrics, (compute_start, time.perf_counter())
 
 
-def _correct(lm, part: BlockPartition, new_global: Tensors, base: Tensors, names: list[str]) -> Tensors:
-    corrected, new_base = block_correction(part.get_all(lm.model), base, new_global, names)
-    part.set_all(lm.model, corrected)
+def _correct(adapter: AdapterModel, new_global: Tensors, base: Tensors, names: list[str]) -> Tensors:
+    corrected, new_base = block_correction(adapter.part.get_all(adapter.lm.model), base, new_global, names)
+    adapter.part.set_all(adapter.lm.model, corrected)
     return new_base
 
 
-def _report(instr, uploaded: Pending | None, comm: CommResult, timing: Timing, metrics: list[dict],
+def _report(uploaded: Pending | None, comm: CommResult, timing: Timing, metrics: list[dict],
             staleness: int, synced: int) -> TrainReport:
     def mean(key: str) -> float:
         values = [m[key] for m in metrics if key in m]
@@ -271,7 +211,7 @@ def _report(instr, uploaded: Pending | None, comm: CommResult, timing: Timing, m
 
     return TrainReport(
         upload_key=comm.upload_key if uploaded else "",
-        upload_block=uploaded.block if uploaded else -2,
+        upload_block=uploaded.block if uploaded else NO_UPLOAD,
         upload_base_version=uploaded.base_version if uploaded else -1,
         upload_samples=uploaded.samples if uploaded else 0,
         synced_version=synced,

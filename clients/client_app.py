@@ -1,7 +1,9 @@
 """The Flower ClientApp: `train.block` messages run fedrl's two-thread block worker.
 
 Per-node state (local adapter, held global adapter, pending delta) lives in
-`context.state`, which Flower keeps across the messages of a run.
+`context.state`, which Flower keeps across the messages of a run. The app owns the
+process's model cache. `app` is the real client; the simulation builds the same app with
+its own mod in front (fedrl.sim.apps).
 """
 
 from __future__ import annotations
@@ -11,9 +13,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedrl.clients.block_worker import ClientState, Pending, handle
-from fedrl.protocol import TrainInstruction
-
-app = ClientApp()
+from fedrl.clients.model_cache import ModelCache
+from fedrl.protocol import NO_UPLOAD, TrainInstruction
 
 
 def _tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
@@ -26,7 +27,7 @@ def load_state(state: RecordDict) -> ClientState:
     meta = state.config_records["meta"]
     arrays = state.array_records
     pending = None
-    if meta["pending_block"] != -2:
+    if meta["pending_block"] != NO_UPLOAD:
         pending = Pending(int(meta["pending_block"]), int(meta["pending_base_version"]),
                           _tensors(arrays["pending_base"]), _tensors(arrays["pending_new"]), int(meta["pending_samples"]))
     return ClientState(_tensors(arrays["local"]), _tensors(arrays["held"]), int(meta["held_version"]), pending)
@@ -41,14 +42,23 @@ def save_state(state: RecordDict, s: ClientState) -> None:
     if p is not None:
         state["pending_base"], state["pending_new"] = ArrayRecord(p.base), ArrayRecord(p.new)
     state["meta"] = ConfigRecord({
-        "held_version": int(s.held_version), "pending_block": p.block if p else -2,
+        "held_version": int(s.held_version), "pending_block": p.block if p else NO_UPLOAD,
         "pending_base_version": p.base_version if p else -1, "pending_samples": p.samples if p else 0,
     })
 
 
-@app.train("block")
-def train_block(msg: Message, context: Context) -> Message:
-    instr = TrainInstruction.from_record(msg.content["instruction"])  # malformed: an error reply
-    report, new_state = handle(instr, load_state(context.state))
-    save_state(context.state, new_state)
-    return Message(RecordDict({"report": ConfigRecord(report.to_record())}), reply_to=msg)
+def make_client_app(mods: list | None = None, models: ModelCache | None = None) -> ClientApp:
+    app = ClientApp(mods=mods or [])
+    cache = models or ModelCache()
+
+    @app.train("block")
+    def train_block(msg: Message, context: Context) -> Message:
+        instr = TrainInstruction.parse(msg.content["instruction"])  # malformed: an error reply
+        report, new_state = handle(instr, load_state(context.state), cache)
+        save_state(context.state, new_state)
+        return Message(RecordDict({"report": ConfigRecord(report.to_record())}), reply_to=msg)
+
+    return app
+
+
+app = make_client_app()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fedrl.blocks import BlockPartition
+from fedrl.models import LoadedModel, load_model
+
 # Linear layers worth adapting, by `config.model_type`.
 TARGET_MODULES = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -51,3 +54,21 @@ def add_lora(model, settings: LoraSettings = LoraSettings(), seed: int = 0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return get_peft_model(model, config)
+
+
+@dataclass
+class AdapterModel:
+    """A base model with a LoRA adapter, its block partition and the adapter's initial values."""
+
+    lm: LoadedModel  # .model is the PeftModel
+    part: BlockPartition
+    initial: dict  # name -> tensor, the freshly initialized adapter
+
+
+def build_adapter_model(spec: str, rank: int, alpha: float, num_blocks: int, seed: int = 0) -> AdapterModel:
+    """Load `spec` and add a LoRA adapter split into `num_blocks` blocks: a fresh instance
+    owned by the caller (the coordinator keeps its own; clients share one per process)."""
+    lm = load_model(spec)
+    lm.model = add_lora(lm.model, LoraSettings(rank=rank, alpha=alpha), seed=seed)
+    part = BlockPartition(lm.model, num_blocks)
+    return AdapterModel(lm, part, {n: t.clone() for n, t in part.get_all(lm.model).items()})

@@ -161,16 +161,27 @@ class PatchStoreServer:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="patch-store", daemon=True)
         self._runner: web.AppRunner | None = None
+        self._error: OSError | None = None
 
     @property
     def url(self) -> str:
         return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     def start(self) -> "PatchStoreServer":
+        """Listen, or raise at once with the reason (a busy port, say); nothing is left running."""
         self._thread.start()
         if not self._ready.wait(30):
-            raise RuntimeError("patch store did not start")
+            raise RuntimeError(f"patch store on {self.host}:{self.port} did not start within 30 s")
+        if self._error is not None:
+            self._thread.join()
+            raise OSError(f"patch store could not listen on {self.host}:{self.port}: {self._error}") from self._error
         return self
+
+    def __enter__(self) -> "PatchStoreServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -182,11 +193,23 @@ class PatchStoreServer:
             await site.start()
             self.port = site._server.sockets[0].getsockname()[1]
 
-        self._loop.run_until_complete(boot())
+        try:
+            self._loop.run_until_complete(boot())
+        except OSError as err:
+            self._error = err
+            self._loop.run_until_complete(self._runner.cleanup())
+            self._loop.close()
+            self._ready.set()
+            return
         self._ready.set()
-        self._loop.run_forever()
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
 
     def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
         if self._runner is not None:
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -1,47 +1,33 @@
 """The control-plane messages: what the coordinator asks of a client and what it reports.
 
-Both travel as flat Flower ConfigRecords; `from_record` validates every field so a
-malformed message is refused with a clear error instead of crashing a thread later.
+Both travel as flat Flower ConfigRecords and are validated by their schema on arrival, so a
+malformed message is refused with one clear line instead of crashing a thread later. They
+carry what a real deployment has: assignments, versions, store references, measured
+timings. Nothing about simulated clients travels here (fedrl.sim wraps the apps instead).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass, fields
-from typing import Any, Mapping
 
-from fedrl.sim.profiles import ClientProfile
+from pydantic import model_validator
+
+from fedrl.schema import Schema
 
 MESSAGE_TYPE = "train.block"
 MODES = ("parablock", "block-sequential", "fedavg-lora")
 ACTIONS = ("train", "flush")
+NO_UPLOAD = -2  # upload_block when a reply carries no upload
 
 
-class ProtocolError(ValueError):
-    pass
+def check_json(text: str, what: str) -> None:
+    try:
+        json.loads(text)
+    except ValueError:
+        raise ValueError(f"{what} must be JSON, got {text[:60]!r}") from None
 
 
-def record_to_dataclass(cls, record: Mapping[str, Any]):
-    """Build `cls` from a flat mapping, checking each field's type (int, float, str, bool)."""
-    values = {}
-    for f in fields(cls):
-        if f.name not in record:
-            if f.default is dataclasses.MISSING:
-                raise ProtocolError(f"{cls.__name__}: missing field {f.name!r}")
-            continue
-        value, kind = record[f.name], f.type
-        ok = {"int": isinstance(value, int) and not isinstance(value, bool),
-              "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-              "str": isinstance(value, str), "bool": isinstance(value, bool)}[kind]
-        if not ok:
-            raise ProtocolError(f"{cls.__name__}: field {f.name!r} must be {kind}, got {type(value).__name__}")
-        values[f.name] = float(value) if kind == "float" else value
-    return cls(**values)
-
-
-@dataclass(frozen=True)
-class TrainInstruction:
+class TrainInstruction(Schema):
     action: str
     mode: str
     block: int  # -1: every block (fedavg-lora)
@@ -62,48 +48,31 @@ class TrainInstruction:
     samples: int
     method: str
     seed: int
-    client_id: int
-    num_clients: int
+    client_id: int  # the node's stable id in this run (never renumbered)
+    data_shards: int  # the task's data is split in this many shards; the client takes client_id % data_shards
     round: int = 0  # this node's message counter (seeds its randomness)
-    profile: str = "{}"  # JSON of the simulated client profile (fedrl.sim.profiles.ClientProfile)
-    clock: str = "real"  # real | virtual (see fedrl.sim.clock)
-    step_s: float = 0.0  # virtual seconds of one local step at speed 1
-    now_s: float = 0.0  # the run's clock when the message was sent
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _consistent(self):
         if self.action not in ACTIONS or self.mode not in MODES:
-            raise ProtocolError(f"unknown action {self.action!r} or mode {self.mode!r}")
-        if self.steps < 0 or self.version < 0 or self.num_blocks < 1 or self.prompts < 1 or self.samples < 1:
-            raise ProtocolError("steps and version must be >= 0; num_blocks, prompts, samples >= 1")
+            raise ValueError(f"unknown action {self.action!r} or mode {self.mode!r}")
+        if self.steps < 0 or self.version < 0 or self.client_id < 0:
+            raise ValueError("steps, version and client_id must be >= 0")
+        if min(self.num_blocks, self.prompts, self.samples, self.data_shards) < 1:
+            raise ValueError("num_blocks, prompts, samples and data_shards must be >= 1")
         if not -1 <= self.block < self.num_blocks or (self.block == -1) != (self.mode == "fedavg-lora"):
-            raise ProtocolError(f"block {self.block} does not fit mode {self.mode} with {self.num_blocks} blocks")
-        if self.clock not in ("real", "virtual") or (self.clock == "virtual" and self.step_s <= 0):
-            raise ProtocolError(f"clock must be real or virtual (virtual needs step_s > 0), got {self.clock!r}")
-        try:
-            json.loads(self.task_params)
-        except ValueError:
-            raise ProtocolError("task_params must be JSON") from None
-        self.client_profile  # validates
+            raise ValueError(f"block {self.block} does not fit mode {self.mode} with {self.num_blocks} blocks")
+        check_json(self.task_params, "task_params")
+        return self
 
     @property
-    def client_profile(self) -> ClientProfile:
-        try:
-            return ClientProfile.from_mapping(json.loads(self.profile))
-        except (ValueError, TypeError) as err:
-            raise ProtocolError(f"profile: {err}") from None
-
-    def to_record(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> "TrainInstruction":
-        return record_to_dataclass(cls, record)
+    def shard(self) -> int:
+        return self.client_id % self.data_shards
 
 
-@dataclass(frozen=True)
-class TrainReport:
+class TrainReport(Schema):
     upload_key: str  # "" when nothing was uploaded
-    upload_block: int
+    upload_block: int  # NO_UPLOAD when nothing was uploaded
     upload_base_version: int
     upload_samples: int
     synced_version: int  # the global version the client holds now
@@ -114,17 +83,20 @@ class TrainReport:
     compute_s: float
     comm_s: float
     overlap_s: float
-    duration_s: float  # the round's length on the run's clock (virtual seconds in virtual mode)
+    duration_s: float  # the round's length on the run's clock
     bytes_up: int
     bytes_down: int
     staleness: int  # versions between the local copy compute started from and the instruction's
 
-    def to_record(self) -> dict:
-        return dataclasses.asdict(self)
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.upload_key and (len(self.upload_key) != 64 or set(self.upload_key) - set("0123456789abcdef")):
+            raise ValueError("upload_key must be a SHA-256 hex digest")
+        if min(self.steps, self.bytes_up, self.bytes_down, self.upload_samples) < 0:
+            raise ValueError("steps, bytes and samples must be >= 0")
+        for name in ("compute_s", "comm_s", "overlap_s", "duration_s"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        return self
 
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> "TrainReport":
-        report = record_to_dataclass(cls, record)
-        if report.upload_key and (len(report.upload_key) != 64 or set(report.upload_key) - set("0123456789abcdef")):
-            raise ProtocolError("upload_key must be a SHA-256 hex digest")
-        return report

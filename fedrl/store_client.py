@@ -10,7 +10,7 @@ from typing import Any, Coroutine
 
 import aiohttp
 
-from fedrl.sim.link import CHUNK, Link
+from fedrl.link import CHUNK, Link
 
 
 class StoreError(OSError):
@@ -117,9 +117,12 @@ class BlockingStoreClient:
         return lambda *a, **k: self._call(method(*a, **k))
 
     def close(self) -> None:
-        self._call(self._client.__aexit__(None, None, None))
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        try:
+            self._call(self._client.__aexit__(None, None, None))
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            self._loop.close()
 
 
 def put_signed_patches(admin: BlockingStoreClient, patches, signing_key) -> list[dict]:

@@ -1,20 +1,19 @@
-"""The run's clock, in two modes, used by the same coordinator and client code.
+"""The virtual clock the simulation injects into the coordinator (interface: fedrl.clock).
 
-Real: wall time since the run started; replies are handled as they come.
-Virtual: a client's round lasts compute_s = steps * step_s / speed plus its link's virtual
-seconds (bytes / bandwidth + latency), composed as the client's threads compose them
+A client's round lasts compute_s = steps * step_s / speed plus its link's virtual seconds
+(bytes / bandwidth + latency), composed as the client's threads compose them
 (`round_seconds`). The coordinator hands each reply to `arrived` and handles replies in
 order of virtual arrival. A reply is due only when no message still out can arrive
-earlier; each message's earliest arrival (its compute time, known at dispatch) is the
-lookahead that lets several clients compute at once in real time without reordering.
+earlier; each message's earliest arrival (its compute time, from `lookahead`, which knows
+the simulated client behind it) is what lets several clients compute at once in real time
+without reordering.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import time
-from typing import Any
+from typing import Any, Callable
 
 
 def round_seconds(overlapped: bool, compute_s: float, comm_before_s: float, comm_after_s: float) -> tuple[float, float]:
@@ -25,33 +24,11 @@ def round_seconds(overlapped: bool, compute_s: float, comm_before_s: float, comm
     return comm_before_s + compute_s + comm_after_s, 0.0
 
 
-class RealClock:
-    virtual = False
-
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.ready: list[tuple[str, Any]] = []
-
-    def now(self) -> float:
-        return time.perf_counter() - self.start
-
-    def sent(self, msg_id: str, earliest_s: float) -> None:
-        pass
-
-    def arrived(self, msg_id: str, reply: Any, duration_s: float) -> None:
-        self.ready.append((msg_id, reply))
-
-    def next_due(self) -> tuple[str, Any] | None:
-        return self.ready.pop(0) if self.ready else None
-
-    def waiting(self) -> int:
-        return len(self.ready)
-
-
 class VirtualClock:
     virtual = True
 
-    def __init__(self):
+    def __init__(self, lookahead: Callable[[Any], float]):
+        self.lookahead = lookahead  # instruction -> the earliest its reply can arrive, in seconds after sending
         self.t = 0.0
         self.out: dict[str, tuple[float, float]] = {}  # msg_id -> (sent at, earliest arrival)
         self.heap: list[tuple[float, int, str, Any]] = []
@@ -60,12 +37,17 @@ class VirtualClock:
     def now(self) -> float:
         return self.t
 
-    def sent(self, msg_id: str, earliest_s: float) -> None:
-        self.out[msg_id] = (self.t, self.t + max(0.0, earliest_s))
+    def sent(self, msg_id: str, instruction: Any) -> None:
+        self.out[msg_id] = (self.t, self.t + max(0.0, self.lookahead(instruction)))
 
     def arrived(self, msg_id: str, reply: Any, duration_s: float) -> None:
         sent_at, earliest = self.out.pop(msg_id)
         heapq.heappush(self.heap, (max(earliest, sent_at + duration_s), next(self.seq), msg_id, reply))
+
+    def forget(self, msg_id: str) -> None:
+        self.out.pop(msg_id, None)
+        self.heap = [h for h in self.heap if h[2] != msg_id]
+        heapq.heapify(self.heap)
 
     def next_due(self) -> tuple[str, Any] | None:
         """The earliest arrival, if no message still out could arrive before it; advances time."""
@@ -76,12 +58,3 @@ class VirtualClock:
         at, _, msg_id, reply = heapq.heappop(self.heap)
         self.t = max(self.t, at)
         return msg_id, reply
-
-    def waiting(self) -> int:
-        return len(self.heap)
-
-
-def make_clock(mode: str):
-    if mode not in ("real", "virtual"):
-        raise ValueError(f"clock must be 'real' or 'virtual', got {mode!r}")
-    return VirtualClock() if mode == "virtual" else RealClock()

@@ -1,7 +1,7 @@
-"""A Link moves bytes under a client's bandwidth and latency.
+"""Simulated links: a client's bandwidth and latency, on the wall clock or a virtual one.
 
-Real mode shapes actual transfers with a token bucket (the sender or receiver waits for
-tokens chunk by chunk) plus one latency per request; virtual mode does not wait and only
+`ShapedLink` shapes actual transfers with a token bucket (the sender or receiver waits for
+tokens chunk by chunk) plus one latency per request; `VirtualLink` does not wait and only
 accounts the seconds: latency + bytes / bandwidth. Packet loss is modelled as the goodput
 a retransmitting transport keeps: bandwidth * (1 - loss).
 """
@@ -12,7 +12,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-CHUNK = 64 << 10
+from fedrl.link import CHUNK, Link
 
 
 @dataclass(frozen=True)
@@ -53,33 +53,45 @@ class TokenBucket:
             await asyncio.sleep(-self.tokens / self.rate)
 
 
-class Link:
-    """One client's link. `virtual=True` accounts seconds without waiting."""
+class ShapedLink(Link):
+    """Real transfers, paced to the profile on the wall clock."""
 
-    def __init__(self, profile: LinkProfile = LinkProfile(), virtual: bool = False):
-        self.profile, self.virtual = profile, virtual
-        self.up = TokenBucket(profile.rate("up"))
-        self.down = TokenBucket(profile.rate("down"))
-        self.bytes_up = self.bytes_down = 0
-        self.virtual_s = 0.0
+    def __init__(self, profile: LinkProfile):
+        super().__init__()
+        self.profile = profile
+        self.up, self.down = TokenBucket(profile.rate("up")), TokenBucket(profile.rate("down"))
 
     async def latency(self) -> None:
-        """One request's round trip."""
-        if self.virtual:
-            self.virtual_s += self.profile.latency_s
-        elif self.profile.latency_s:
+        if self.profile.latency_s:
             await asyncio.sleep(self.profile.latency_s)
 
     async def send(self, n: int) -> None:
-        self.bytes_up += n
-        await self._shape(self.up, n, "up")
+        await super().send(n)
+        await self.up.consume(n)
 
     async def receive(self, n: int) -> None:
-        self.bytes_down += n
-        await self._shape(self.down, n, "down")
+        await super().receive(n)
+        await self.down.consume(n)
 
-    async def _shape(self, bucket: TokenBucket, n: int, direction: str) -> None:
-        if self.virtual:
-            self.virtual_s += n / self.profile.rate(direction)
-        else:
-            await bucket.consume(n)
+
+class VirtualLink(Link):
+    """Real transfers at full speed; `virtual_s` is what they would have taken on the profile."""
+
+    def __init__(self, profile: LinkProfile):
+        super().__init__()
+        self.profile, self.virtual_s = profile, 0.0
+
+    async def latency(self) -> None:
+        self.virtual_s += self.profile.latency_s
+
+    async def send(self, n: int) -> None:
+        await super().send(n)
+        self.virtual_s += n / self.profile.rate("up")
+
+    async def receive(self, n: int) -> None:
+        await super().receive(n)
+        self.virtual_s += n / self.profile.rate("down")
+
+
+def make_link(profile: LinkProfile, virtual: bool) -> Link:
+    return VirtualLink(profile) if virtual else ShapedLink(profile)

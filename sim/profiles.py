@@ -24,16 +24,16 @@ A profile file lists groups of identical clients, or draws a group from a named 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+from pydantic import model_validator
 
+from fedrl.schema import Schema, SchemaError
 from fedrl.sim.link import LinkProfile
 
 
@@ -41,8 +41,7 @@ class ProfileError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class ClientProfile:
+class ClientProfile(Schema):
     name: str = "default"
     speed: float = 1.0
     up_bytes_s: float = math.inf
@@ -55,31 +54,29 @@ class ClientProfile:
     bug_prob: float = 0.0
     reward_noise_prob: float = 0.0
 
-    def __post_init__(self):
-        if not isinstance(self.name, str):
-            raise ProfileError(f"profile name must be a string, got {self.name!r}")
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)):
-                raise ProfileError(f"profile field {f.name!r} must be a number, got {value!r}")
+    @model_validator(mode="after")
+    def _in_range(self):
+        for name, value in self.model_dump().items():
+            if isinstance(value, float) and math.isnan(value):
+                raise ValueError(f"{name} is NaN")
         if self.speed <= 0 or self.up_bytes_s <= 0 or self.down_bytes_s <= 0 or self.online_s <= 0:
-            raise ProfileError("speed, bandwidths and online_s must be > 0")
+            raise ValueError("speed, bandwidths and online_s must be > 0")
         if self.latency_s < 0 or self.offline_s < 0:
-            raise ProfileError("latency_s and offline_s must be >= 0")
+            raise ValueError("latency_s and offline_s must be >= 0")
         for name in ("loss", "dropout", "bug_prob", "reward_noise_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ProfileError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        return self
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ClientProfile":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ProfileError(f"unknown profile fields {unknown}; known: {sorted(known)}")
-        return cls(**values)
+        try:
+            return cls.parse(values, "profile")
+        except SchemaError as err:
+            raise ProfileError(str(err)) from None
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))  # inf travels as Infinity, which json reads back
+        return json.dumps(self.model_dump())  # inf travels as Infinity, which json reads back
 
     @property
     def link(self) -> LinkProfile:
@@ -144,7 +141,7 @@ def mix(name: str, n: int, seed: int = 0) -> list[ClientProfile]:
                     values[key] = _spread(*value, k, m)
                 else:
                     values[key] = value
-            profiles.append(ClientProfile(name=archetype, **values))
+            profiles.append(ClientProfile.from_mapping({"name": archetype, **values}))
     np.random.default_rng(seed).shuffle(profiles)
     return profiles
 
@@ -176,7 +173,7 @@ def parse_client_groups(groups: Any, where: str, seed: int = 0) -> list[ClientPr
                 profiles += mix(name, count, seed + i)
             else:
                 profiles += [ClientProfile.from_mapping(group)] * count
-        except (ProfileError, TypeError) as err:
+        except ProfileError as err:
             raise ProfileError(f"{where}: [[client]] #{i + 1}: {err}") from None
     return profiles
 

@@ -10,17 +10,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fedrl.sim.simulated_server import SimConfig, split_config
 from fedrl.strategies.run_config import RunConfig
 
 
-def simulate(cfg: RunConfig, num_clients: int, quiet: bool = False, engine: str = "ray") -> dict:
-    """Run the coordinator and `num_clients` ClientApps: engine "ray" under Flower's
+def simulate(cfg: RunConfig, sim: SimConfig, num_clients: int, quiet: bool = False, engine: str = "ray") -> dict:
+    """Run the coordinator and `num_clients` simulated ClientApps: engine "ray" under Flower's
     run_simulation, "local" in this process (see fedrl.sim.local_grid)."""
     os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    from fedrl.clients.client_app import app as client_app
+    from fedrl.sim.apps import client_app
 
-    budgets = f"{cfg.versions} versions" + (f" or {cfg.max_time_s:g} {cfg.clock} s" if cfg.max_time_s else "")
+    budgets = f"{cfg.versions} versions" + (f" or {cfg.max_time_s:g} {sim.clock} s" if cfg.max_time_s else "")
     bar = tqdm(total=100, desc=f"fedrl sim {cfg.mode}{' sync' if cfg.sync else ' async'} ({budgets})",
                unit="%", disable=quiet, bar_format="{l_bar}{bar}| {elapsed} {postfix}")
 
@@ -36,33 +37,33 @@ def simulate(cfg: RunConfig, num_clients: int, quiet: bool = False, engine: str 
 
     if engine == "local":
         from fedrl.sim.local_grid import LocalGrid
-        from fedrl.strategies.coordinator import run_coordinator
+        from fedrl.sim.simulated_server import run_simulated
 
-        summary = run_coordinator(LocalGrid(num_clients, client_app), cfg, progress)
-        bar.close()
-        return summary
+        try:
+            return run_simulated(LocalGrid(num_clients, client_app), cfg, sim, progress)
+        finally:
+            bar.close()
     if engine != "ray":
         raise ValueError(f"engine must be ray or local, got {engine!r}")
     from flwr.simulation import run_simulation
 
-    from fedrl.strategies.server_app import make_server_app
+    from fedrl.sim.apps import make_server_app
 
     # Virtual-clock clients never sleep, so one Ray worker per core serves every node in turn;
     # on the real clock slow clients sleep, and a fractional CPU lets every client hold a worker.
-    num_cpus = 1.0 if cfg.clock == "virtual" else 2 / num_clients
+    num_cpus = 1.0 if sim.clock == "virtual" else 2 / num_clients
     results: list[dict] = []
-    run_simulation(
-        server_app=make_server_app(cfg, progress, results),
-        client_app=client_app,
-        num_supernodes=num_clients,
-        backend_config={"client_resources": {"num_cpus": num_cpus, "num_gpus": 0.0},
-                        "init_args": {"num_cpus": 2, "include_dashboard": False, "logging_level": "error",
-                                      "log_to_driver": False}},
-    )
+    run_simulation(server_app=make_server_app(cfg, sim, progress, results), client_app=client_app,
+                   num_supernodes=num_clients, backend_config=ray_backend(num_cpus))
     bar.close()
     if not results:
         raise RuntimeError("the simulation ended without a summary (see the log above)")
     return results[0]
+
+
+def ray_backend(cpus_per_client: float) -> dict:
+    return {"client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
+            "init_args": {"num_cpus": 2, "include_dashboard": False, "logging_level": "error", "log_to_driver": False}}
 
 
 def parse_overrides(items: list[str] | None) -> dict:
@@ -90,14 +91,14 @@ def main(args) -> int:
         return 0
     scenario = load_scenario(args.scenario)
     clients = args.clients or scenario.clients
-    base = RunConfig.from_mapping({**scenario.config.__dict__, **parse_overrides(args.set)})
+    base, sim = split_config({**scenario.config.model_dump(), **scenario.sim.model_dump(), **parse_overrides(args.set)})
     out = Path(args.out or f"runs/sim-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"scenario {scenario.name}: {scenario.description} ({clients} clients, seeds {list(scenario.seeds)})")
     for seed in scenario.seeds:
         run_out = out / f"seed-{seed}" if len(scenario.seeds) > 1 else out
         cfg = base.replace(out_dir=str(run_out), min_nodes=clients, seed=seed)
         start = time.perf_counter()
-        summary = simulate(cfg, clients, engine=args.engine)
+        summary = simulate(cfg, sim, clients, engine=args.engine)
         summary["scenario"] = {"name": scenario.name, "description": scenario.description, "clients": clients}
         files = write_report(summary, run_out)
         print(json.dumps({k: summary[k] for k in ("initial_eval", "final_eval", "versions", "rounds", "bytes_up",

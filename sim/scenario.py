@@ -5,7 +5,7 @@
     clients = 20              # number of simulated SuperNodes
     seeds = [0, 1]            # one run per seed
 
-    [run]                     # any RunConfig key: model, task, mode, frictions' lr, budget ...
+    [run]                     # any RunConfig or SimConfig key: model, task, mode, lr, clock, budget ...
     mode = "parablock"
     clock = "virtual"
     versions = 40             # budget in versions ...
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from fedrl.protocol import ProtocolError
+from fedrl.schema import SchemaError
 from fedrl.sim.profiles import ProfileError, parse_client_groups
+from fedrl.sim.simulated_server import SimConfig, split_config
 from fedrl.strategies.run_config import RunConfig
 
 SHIPPED = Path(__file__).parent / "scenarios"
@@ -45,6 +46,7 @@ class Scenario:
     clients: int
     seeds: tuple[int, ...]
     config: RunConfig
+    sim: SimConfig
 
 
 def shipped() -> dict[str, Path]:
@@ -83,11 +85,11 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
             if "profiles" in run:
                 raise ScenarioError(f"{path}: give [[client]] tables or run.profiles, not both")
             profiles = parse_client_groups(data["client"], str(path))
-            run["profiles"] = json.dumps([asdict(p) for p in profiles])
+            run["profiles"] = json.dumps([p.model_dump() for p in profiles])
         elif "profiles" in run and (path.parent / str(run["profiles"])).is_file():
             run["profiles"] = str(path.parent / run["profiles"])  # a profile file beside the scenario
-        config = RunConfig.from_mapping(run)
-    except (ProtocolError, ProfileError) as err:
+        config, sim = split_config(run)
+    except (SchemaError, ProfileError) as err:
         raise ScenarioError(f"{path}: {err}") from None
     clients = data.get("clients", len(json.loads(run["profiles"])) if "client" in data else None)
     if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
@@ -98,4 +100,4 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
     name, description = data.get("name", path.stem), data.get("description", "")
     if not isinstance(name, str) or not isinstance(description, str):
         raise ScenarioError(f"{path}: name and description must be strings")
-    return Scenario(name, description, clients, tuple(seeds), config.replace(min_nodes=clients))
+    return Scenario(name, description, clients, tuple(seeds), config.replace(min_nodes=clients), sim)

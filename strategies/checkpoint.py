@@ -5,7 +5,8 @@ SHA-256 of the tensor file). Both are written to a temporary name, fsynced and r
 the JSON goes last, so a checkpoint exists only once it is whole. Saving hands a shallow
 copy of the state to a writer thread: the coordinator replaces tensors when it changes
 them and never mutates them in place, so unchanged tensors are shared, not copied (lazy
-copy). If saves arrive faster than the disk takes them, only the newest waits.
+copy). If saves arrive faster than the disk takes them, only the newest waits. A failed
+write is not lost in the thread: the next save or flush raises it as a CheckpointError.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def _fsync_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+class CheckpointError(OSError):
+    """A checkpoint could not be written; the run should stop and say why."""
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int = 3):
         self.directory = Path(directory)
@@ -38,25 +43,46 @@ class Checkpointer:
         self._cond = threading.Condition()
         self._busy = False
         self.saved_versions: list[int] = []
+        self._error: CheckpointError | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="checkpointer", daemon=True)
         self._thread.start()
 
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
     def save_async(self, version: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         with self._cond:
+            self._raise_error()
             self._pending = (version, dict(tensors), json.loads(json.dumps(meta)))
             self._cond.notify()
 
     def flush(self, timeout: float = 60.0) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+            if not self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout):
+                raise CheckpointError(f"checkpoint writes to {self.directory} still busy after {timeout} s")
+            self._raise_error()
+
+    def close(self) -> None:
+        """Stop the writer thread once queued work is done (or failed); does not raise."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None)
+                self._cond.wait_for(lambda: self._pending is not None or self._closed)
+                if self._pending is None:
+                    return
                 job, self._pending, self._busy = self._pending, None, True
             try:
                 self.write(*job)
+            except Exception as err:  # kept for the caller: the next save or flush raises it
+                with self._cond:
+                    self._error = CheckpointError(f"checkpoint of version {job[0]} to {self.directory} failed: {err}")
             finally:
                 with self._cond:
                     self._busy = False

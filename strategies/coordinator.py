@@ -1,11 +1,13 @@
 """The coordinator: block-coordinate rounds over Flower's Grid, never blocking on one client.
 
 It keeps clients busy with push_messages/pull_messages, handles replies in the order of the
-run's clock (arrival on the wall clock, or virtual arrival time in simulation: fedrl.sim.clock),
-treats error replies (TTL expiry, node gone, client crash or dropout) as events, ingests each reported delta from the patch store
-(bound to the uploading node, verified, staleness-checked, NaN-checked), aggregates per
-block (sync: at the round barrier; async: after `buffer_size` arrivals), publishes every
-new global version as signed patches, checkpoints in the background and can resume.
+run's clock (fedrl.clock: wall arrival, or a virtual clock injected by the simulation),
+treats error replies, lost replies, late replies from departed nodes and unknown replies as
+events, ingests each reported delta from the patch store (bound to the uploading node,
+verified, staleness-checked, NaN-checked), aggregates per block (sync: at the round
+barrier; async: after `buffer_size` arrivals), publishes every new global version as
+signed patches, checkpoints in the background and can resume. Nodes come and go: each keeps
+a stable client id (strategies.membership), and every message has a wall-clock watchdog.
 """
 
 from __future__ import annotations
@@ -13,36 +15,31 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fedrl.blocks import ALL_BLOCKS
+from fedrl.clock import Clock, RealClock
 from fedrl.credentials import ADMIN, new_secret, node_principal, token_for
+from fedrl.lora import build_adapter_model
 from fedrl.patch import PatchError, apply_patch
 from fedrl.patch_chain import PatchPublisher
 from fedrl.patch_store import PatchStoreServer, StoreState
-from fedrl.protocol import MESSAGE_TYPE, ProtocolError, TrainInstruction, TrainReport
-from fedrl.learner import Learner, LearnerConfig, lm_update
-from fedrl.rollout import greedy_error, rollout, score
+from fedrl.protocol import MESSAGE_TYPE, TrainInstruction, TrainReport
+from fedrl.rollout import greedy_error
+from fedrl.schema import SchemaError
 from fedrl.signing import generate_signing_key, public_key_pem
 from fedrl.store_client import BlockingStoreClient, StoreError, put_signed_patches
-from fedrl.sim.clock import make_clock
-from fedrl.sim.profiles import ClientProfile
 from fedrl.strategies.aggregation import AggregationConfig, Update, aggregate_block, rejection_reason
-from fedrl.strategies.checkpoint import Checkpointer, load_latest
+from fedrl.strategies.checkpoint import CheckpointError, Checkpointer, load_latest
+from fedrl.strategies.membership import Membership
 from fedrl.strategies.run_config import RunConfig
 from fedrl.strategies.scheduler import BlockScheduler
 from fedrl.tasks import get_task
 
 log = logging.getLogger("fedrl.coordinator")
-
-
-# In virtual mode the real ttl only guards against lost messages; deadlines are virtual.
-VIRTUAL_MODE_TTL_S = 12 * 3600.0
 
 
 @dataclass
@@ -51,55 +48,73 @@ class Dispatch:
     block: int
     action: str
     version: int
-    sent: float
+    sent: float  # on the run's clock
+    watchdog: float  # time.monotonic() after which the message is given up
     arrived: bool = False  # the Grid delivered the reply; the clock decides when it is handled
-    expired: bool = False  # virtual clock: the round outlasted the deadline
+    expired: bool = False  # the round outlasted the deadline on the run's clock
 
 
 class Coordinator:
-    def __init__(self, grid, cfg: RunConfig, progress=None):
-        from fedrl.clients.block_worker import initial_adapter, peft_model
+    """Use as a context manager: everything it starts (store, clients, threads) is closed on exit,
+    also when setting up fails half way."""
 
+    def __init__(self, grid, cfg: RunConfig, clock: Clock | None = None, progress=None):
         self.grid, self.cfg, self.progress = grid, cfg, progress
+        self.clock = clock or RealClock()
+        self.resources = ExitStack()
+        try:
+            self._setup()
+        except BaseException:
+            self.resources.close()
+            raise
+
+    def _setup(self) -> None:
+        cfg = self.cfg
         self.out_dir = Path(cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        lm, self.part = peft_model(cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks, 0)
-        self.lm = lm
+        self.adapter = build_adapter_model(cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks)  # our own instance
         self.task = get_task(cfg.task, **json.loads(cfg.task_params))
-        self.global_state = initial_adapter(cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks, 0)
+        self.global_state = dict(self.adapter.initial)
         self.version = 0
-        self.scheduler = BlockScheduler(cfg.num_blocks, cfg.schedule, cfg.base_steps, cfg.min_steps, cfg.max_steps, cfg.seed)
+        self.scheduler = BlockScheduler(cfg.num_blocks, cfg.schedule, cfg.base_steps, cfg.min_steps, cfg.max_steps,
+                                        cfg.seed)
         self.agg = AggregationConfig(cfg.alpha, cfg.max_staleness, cfg.clip_norm or None, cfg.robust)
         anchor_every = 1 if cfg.mode == "fedavg-lora" else cfg.anchor_every  # fedavg sends full adapters
         self.publisher = PatchPublisher(anchor_every=anchor_every, keep_recent=cfg.max_staleness + 2)
         self.signing_key = generate_signing_key()
         self.public_key = public_key_pem(self.signing_key).decode()
-        self.store_server = None
         if cfg.store_url:
             self.secret = Path(cfg.store_secret_file).read_bytes().strip()
             self.store_url = cfg.store_url
         else:
             self.secret = new_secret()
-            self.store_server = PatchStoreServer(StoreState(self.secret)).start()
-            self.store_url = self.store_server.url
+            store = self.resources.enter_context(PatchStoreServer(StoreState(self.secret)))
+            self.store_url = store.url
         self.admin = BlockingStoreClient(self.store_url, ADMIN, token_for(self.secret, ADMIN))
+        self.resources.callback(self.admin.close)
+        self.checkpointer = Checkpointer(cfg.checkpoint_dir or self.out_dir / "checkpoints")
+        self.resources.callback(self.checkpointer.close)
+        self.members = Membership()
         self.refs: list[dict] = []
         self.in_flight: dict[str, Dispatch] = {}
         self.buffer: list[Update] = []
         self.pending_nodes: set[int] = set()  # parablock clients holding an unsent delta
-        self.checkpointer = Checkpointer(cfg.checkpoint_dir or self.out_dir / "checkpoints")
-        self.clock = make_clock(cfg.clock)
-        self.step_s = cfg.step_s
-        self.ranks: dict[int, int] = {}
-        self.profiles: list[ClientProfile] = []
         self.rounds: dict[int, int] = {}  # node -> messages sent
         self.eval_cpu_s = 0.0  # held-out evaluations, kept apart from the coordinator's own cost
         self.loop: dict = {}
         self.events: list[dict] = []  # timeline for the report
         self.evals: list[dict] = []
         self.clients: dict[int, dict] = {}
-        self.counts = {"replies": 0, "errors": 0, "accepted": 0, "rejected": 0}
+        self.counts = {"replies": 0, "errors": 0, "accepted": 0, "rejected": 0, "lost": 0, "unknown": 0}
         self.replies_at_version = 0
+        self.stop_reason = ""
+        self.last_refresh = float("-inf")
+
+    def __enter__(self) -> "Coordinator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.resources.close()
 
     # ------------------------------------------------------------------ helpers
 
@@ -108,13 +123,13 @@ class Coordinator:
 
     def event(self, kind: str, **fields) -> None:
         self.events.append({"t": round(self.now(), 3), "kind": kind, "version": self.version, **fields})
-        if kind in ("rejected", "error"):  # expected events under heterogeneity: counted, logged quietly
+        if kind in ("rejected", "error", "lost", "unknown", "left", "joined"):  # expected under churn: logged quietly
             log.info("%s: %s", kind, fields)
 
     def evaluate(self) -> float:
         cpu = time.process_time()
-        self.part.set_all(self.lm.model, self.global_state)
-        error = greedy_error(self.lm, self.task)
+        self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
+        error = greedy_error(self.adapter.lm, self.task)
         self.eval_cpu_s += time.process_time() - cpu
         self.evals.append({"t": round(self.now(), 3), "version": self.version, "error": error})
         return error
@@ -129,8 +144,8 @@ class Coordinator:
         self.admin.publish({"latest": self.version, "refs": self.refs, "public_key": self.public_key})
 
     def checkpoint(self) -> None:
-        meta = {"scheduler": self.scheduler.state_dict(), "counts": self.counts, "in_flight": len(self.in_flight),
-                "evals": self.evals, "config": self.cfg.__dict__}
+        meta = {"scheduler": self.scheduler.state_dict(), "members": self.members.state_dict(), "counts": self.counts,
+                "in_flight": len(self.in_flight), "evals": self.evals, "config": self.cfg.model_dump()}
         self.checkpointer.save_async(self.version, self.global_state, meta)
 
     def resume(self) -> bool:
@@ -142,32 +157,23 @@ class Coordinator:
             raise ValueError(f"checkpoint in {self.checkpointer.directory} is for another adapter")
         self.version, self.global_state = version, tensors
         self.scheduler.load_state_dict(meta["scheduler"])
+        self.members.load_state_dict(meta.get("members", {"ids": []}))
         self.evals = meta.get("evals", [])
         self.event("resumed", from_version=version)
         return True
 
-    def refresh_nodes(self) -> dict[int, int]:
-        """Each node's rank (its client id) and profile; ranks follow sorted node ids."""
-        ids = sorted(self.grid.get_node_ids())
-        if len(ids) != len(self.ranks) or any(n not in self.ranks for n in ids):
-            self.ranks = {n: i for i, n in enumerate(ids)}
-            self.profiles = self.cfg.client_profiles(max(len(ids), 1))
-        return self.ranks
-
-    def measure_step_s(self) -> float:
-        """Seconds of one local DG step on this machine: the virtual clock's unit of work."""
-        cfg = self.cfg
-        block = ALL_BLOCKS if cfg.mode == "fedavg-lora" else 0
-        learner = Learner(self.part.make_trainable(self.lm.model, block), LearnerConfig(cfg.method, lr=cfg.lr))
-        rng, gen = np.random.default_rng(cfg.seed), torch.Generator().manual_seed(cfg.seed)
-        times = []
-        for _ in range(4):  # the first is a warm-up
-            start = time.perf_counter()
-            batch = score(self.task, rollout(self.lm, self.task, self.task.sample(cfg.prompts, rng), cfg.samples, generator=gen))
-            lm_update(learner, self.lm.model, batch)
-            times.append(time.perf_counter() - start)
-        self.part.set_all(self.lm.model, self.global_state)
-        return float(np.median(times[1:]))
+    def refresh_nodes(self) -> None:
+        """Take the Grid's current nodes (at most once a second); joins and departures are
+        events, ids stay stable."""
+        if time.monotonic() - self.last_refresh < 1.0:
+            return
+        self.last_refresh = time.monotonic()
+        joined, left = self.members.refresh(self.grid.get_node_ids())
+        for node in joined:
+            self.event("joined", node=node, client=self.members.client_id(node))
+        for node in left:
+            self.event("left", node=node, client=self.members.client_id(node))
+            self.pending_nodes.discard(node)  # its unsent delta is gone with it
 
     def wait_for_nodes(self) -> None:
         deadline = time.monotonic() + self.cfg.node_wait_s
@@ -178,65 +184,86 @@ class Coordinator:
 
     # ------------------------------------------------------------------ dispatch and replies
 
-    def instruction(self, node: int, rank: int, block: int, steps: int, action: str) -> TrainInstruction:
+    def instruction(self, node: int, block: int, steps: int, action: str) -> TrainInstruction:
         cfg = self.cfg
         self.rounds[node] = self.rounds.get(node, 0) + 1
+        principal = node_principal(node)
         return TrainInstruction(
-            action=action, mode=cfg.mode, block=block, steps=steps, version=self.version,
-            store_url=self.store_url, principal=node_principal(node), token=token_for(self.secret, node_principal(node)),
-            public_key=self.public_key, model=cfg.model, task=cfg.task, task_params=cfg.task_params,
-            num_blocks=cfg.num_blocks, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lr=cfg.lr,
-            prompts=cfg.prompts, samples=cfg.samples, method=cfg.method, seed=cfg.seed, client_id=rank,
-            num_clients=max(len(self.ranks), 1), round=self.rounds[node], profile=self.profiles[rank].to_json(),
-            clock=cfg.clock, step_s=self.step_s, now_s=self.now(),
+            action=action, mode=cfg.mode, block=block, steps=steps, version=self.version, store_url=self.store_url,
+            principal=principal, token=token_for(self.secret, principal), public_key=self.public_key,
+            model=cfg.model, task=cfg.task, task_params=cfg.task_params, num_blocks=cfg.num_blocks,
+            lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lr=cfg.lr, prompts=cfg.prompts,
+            samples=cfg.samples, method=cfg.method, seed=cfg.seed, client_id=self.members.client_id(node),
+            data_shards=cfg.shards, round=self.rounds[node],
         )
 
-    def dispatch(self, node: int, rank: int, action: str = "train") -> None:
+    def dispatch(self, node: int, action: str = "train") -> None:
+        client = self.members.client_id(node)
         if action == "flush":
             block = -1 if self.cfg.mode == "fedavg-lora" else 0
-            instr = self.instruction(node, rank, block, 0, "flush")
+            instr = self.instruction(node, block, 0, "flush")
         elif self.cfg.mode == "fedavg-lora":
             block = -1
-            instr = self.instruction(node, rank, -1, self.scheduler.steps_for(node), action)
+            instr = self.instruction(node, -1, self.scheduler.steps_for(node), action)
         else:
-            block = self.scheduler.assign_block(node, rank)
-            instr = self.instruction(node, rank, block, self.scheduler.steps_for(node), action)
+            block = self.scheduler.assign_block(node, client)
+            instr = self.instruction(node, block, self.scheduler.steps_for(node), action)
         content = RecordDict({"instruction": ConfigRecord(instr.to_record())})
-        ttl = VIRTUAL_MODE_TTL_S if self.clock.virtual else self.cfg.deadline_s
+        # the message's ttl is the wall-clock watchdog; on a virtual clock the deadline is virtual
+        ttl = self.cfg.watchdog_s if self.clock.virtual else self.cfg.deadline_s
         msg = Message(content, dst_node_id=node, message_type=MESSAGE_TYPE, ttl=ttl, group_id=str(self.version))
         ids = list(self.grid.push_messages([msg]))
         if not ids or not ids[0]:
+            if action == "train" and block >= 0:
+                self.scheduler.release(block)
             self.event("error", node=node, reason="message not accepted by the SuperLink")
             return
-        self.in_flight[ids[0]] = Dispatch(node, block, action, self.version, self.now())
-        # no reply can come before the round's compute is done (nor after the deadline)
-        self.clock.sent(ids[0], min(instr.steps * self.step_s / self.profiles[rank].speed, self.cfg.deadline_s))
+        self.in_flight[ids[0]] = Dispatch(node, block, action, self.version, self.now(), time.monotonic() + ttl + 5)
+        self.clock.sent(ids[0], instr)
 
-    def handle(self, reply: Message) -> None:
-        d = self.in_flight.pop(reply.metadata.reply_to_message_id, None)
-        if d is None:
-            return
-        if d.action == "train" and d.block >= 0:
+    def close_dispatch(self, msg_id: str) -> Dispatch | None:
+        d = self.in_flight.pop(msg_id, None)
+        if d is not None and d.action == "train" and d.block >= 0:
             self.scheduler.release(d.block)
+        return d
+
+    def expire_overdue(self) -> None:
+        """Give up messages whose reply has not come within their wall-clock watchdog."""
+        now = time.monotonic()
+        for msg_id, d in list(self.in_flight.items()):
+            if not d.arrived and now > d.watchdog:
+                self.close_dispatch(msg_id)
+                self.clock.forget(msg_id)
+                self.counts["lost"] += 1
+                self.event("lost", node=d.node, reason="no reply within the watchdog")
+
+    def handle(self, msg_id: str, reply: Message) -> None:
+        d = self.close_dispatch(msg_id)
+        if d is None:  # given up already, or never ours
+            self.counts["unknown"] += 1
+            self.event("unknown", reason=f"reply to unknown message {msg_id[:12]}")
+            return
         self.counts["replies"] += 1
         if d.expired:
             self.counts["errors"] += 1
-            self.event("error", node=d.node, reason=f"deadline {self.cfg.deadline_s} s exceeded (virtual clock)")
+            self.event("error", node=d.node, reason=f"deadline {self.cfg.deadline_s} s exceeded")
             return
         if reply.has_error():
             self.counts["errors"] += 1
             self.event("error", node=d.node, code=int(reply.error.code), reason=str(reply.error.reason)[:300])
             return
         try:
-            report = TrainReport.from_record(reply.content["report"])
-        except (KeyError, TypeError, ProtocolError) as err:
+            report = TrainReport.parse(reply.content["report"], "report")
+        except (KeyError, TypeError, SchemaError) as err:
             self.counts["rejected"] += 1
-            self.event("rejected", node=d.node, reason=f"malformed reply: {err}")
+            self.event("rejected", node=d.node, reason=f"malformed reply: {str(err)[:240]}")
             return
+        if d.node not in self.members.present:
+            self.event("late", node=d.node, reason="reply from a node that has left; its work still counts")
         if report.steps:
             self.scheduler.observe_speed(d.node, report.compute_s / report.steps)
         self.record_client(d.node, report)
-        if d.action == "train" and self.cfg.mode == "parablock":
+        if d.action == "train" and self.cfg.mode == "parablock" and d.node in self.members.present:
             self.pending_nodes.add(d.node)
         if d.action == "flush":
             self.pending_nodes.discard(d.node)
@@ -244,9 +271,9 @@ class Coordinator:
             self.ingest(d.node, report)
 
     def record_client(self, node: int, r: TrainReport) -> None:
-        c = self.clients.setdefault(node, {"profile": self.profiles[self.ranks[node]].name, "messages": 0,
-                                           "compute_s": 0.0, "comm_s": 0.0, "overlap_s": 0.0, "duration_s": 0.0,
-                                           "bytes_up": 0, "bytes_down": 0, "timeline": []})
+        c = self.clients.setdefault(node, {"client_id": self.members.client_id(node), "messages": 0, "compute_s": 0.0,
+                                           "comm_s": 0.0, "overlap_s": 0.0, "duration_s": 0.0, "bytes_up": 0,
+                                           "bytes_down": 0, "timeline": []})
         c["messages"] += 1
         for k in ("compute_s", "comm_s", "overlap_s", "duration_s", "bytes_up", "bytes_down"):
             c[k] += getattr(r, k)
@@ -261,6 +288,8 @@ class Coordinator:
             staleness = self.version - r.upload_base_version
             if not 0 <= staleness <= self.agg.max_staleness:  # cheap checks before any download
                 raise ValueError(f"staleness {staleness} is outside [0, {self.agg.max_staleness}]")
+            if not -1 <= r.upload_block < self.cfg.num_blocks:
+                raise ValueError(f"upload block {r.upload_block} does not exist")
             meta = self.admin.meta(r.upload_key)
             if node_principal(node) not in meta["uploaders"]:
                 raise ValueError(f"object was uploaded by {meta['uploaders']}, not by node {node}")
@@ -271,7 +300,7 @@ class Coordinator:
                 names = list(self.global_state)
                 new = apply_patch(None, self.admin.get(r.upload_key))
             else:
-                names = self.part.names(r.upload_block)
+                names = self.adapter.part.names(r.upload_block)
                 new = apply_patch({n: base[n] for n in names}, self.admin.get(r.upload_key))
             if set(new) != set(names):
                 raise ValueError("the upload does not carry exactly the block's tensors")
@@ -300,8 +329,9 @@ class Coordinator:
         for u in self.buffer:
             if u.block == -1:  # a whole-adapter update contributes to every block
                 for b in range(self.cfg.num_blocks):
-                    names = self.part.names(b)
-                    by_block.setdefault(b, []).append(Update(u.node, b, {n: u.delta[n] for n in names}, u.num_samples, u.staleness))
+                    names = self.adapter.part.names(b)
+                    by_block.setdefault(b, []).append(
+                        Update(u.node, b, {n: u.delta[n] for n in names}, u.num_samples, u.staleness))
             else:
                 by_block.setdefault(u.block, []).append(u)
         new_state = dict(self.global_state)  # tensors are replaced, never mutated (lazy checkpoint copies)
@@ -330,6 +360,8 @@ class Coordinator:
             msg_id = reply.metadata.reply_to_message_id
             d = self.in_flight.get(msg_id)
             if d is None or d.arrived:
+                self.counts["unknown"] += 1
+                self.event("unknown", reason=f"reply to unknown message {str(msg_id)[:12]}")
                 continue
             d.arrived = True
             duration = self.cfg.deadline_s  # an error reply is noticed at the deadline
@@ -338,121 +370,124 @@ class Coordinator:
                     duration = float(reply.content["report"]["duration_s"])
                 except (KeyError, TypeError, ValueError):
                     duration = 0.0  # malformed: handled (and rejected) as soon as it is due
-            if self.clock.virtual and duration > self.cfg.deadline_s:
+            if not 0 <= duration <= self.cfg.deadline_s:  # NaN included
                 d.expired, duration = True, self.cfg.deadline_s
             self.clock.arrived(msg_id, reply, duration)
         return len(replies)
 
-    def next_reply(self) -> Message | None:
+    def next_reply(self) -> tuple[str, Message] | None:
         """The next reply due on the run's clock, pulling from the Grid when none is."""
         due = self.clock.next_due()
         if due is None and self.pull():
             due = self.clock.next_due()
-        return due[1] if due else None
+        return due
 
     # ------------------------------------------------------------------ the loop
 
     def should_stop(self) -> bool:
         if self.cfg.max_time_s and self.now() > self.cfg.max_time_s:
-            self.event("stopped", reason=f"max_time_s {self.cfg.max_time_s} reached on the {self.cfg.clock} clock")
-            return True
-        if self.cfg.target_error and self.evals and self.evals[-1]["error"] <= self.cfg.target_error:
-            self.event("stopped", reason=f"target error {self.cfg.target_error} reached")
-            return True
-        if self.counts["replies"] - self.replies_at_version >= self.cfg.stall_replies:
-            self.event("stopped", reason=f"{self.cfg.stall_replies} replies without an accepted update")
-            return True
-        return False
+            self.stop_reason = f"max_time_s {self.cfg.max_time_s} reached on the run's clock"
+        elif self.cfg.target_error and self.evals and self.evals[-1]["error"] <= self.cfg.target_error:
+            self.stop_reason = f"target error {self.cfg.target_error} reached"
+        elif self.counts["replies"] - self.replies_at_version >= self.cfg.stall_replies:
+            self.stop_reason = f"{self.cfg.stall_replies} replies without an accepted update"
+        if self.stop_reason:
+            self.event("stopped", reason=self.stop_reason)
+        return bool(self.stop_reason)
+
+    def step(self, round_open: bool) -> bool:
+        """One turn of the loop: refresh members, dispatch to idle nodes, handle one due reply."""
+        self.refresh_nodes()
+        self.expire_overdue()
+        if self.cfg.sync:
+            if not round_open:
+                for node in sorted(self.members.present):
+                    self.dispatch(node)
+                round_open = True
+        else:
+            busy = {d.node for d in self.in_flight.values()}
+            for node in sorted(self.members.present - busy):
+                self.dispatch(node)
+        due = self.next_reply()
+        if due is None:
+            time.sleep(0.02)
+        else:
+            self.handle(*due)
+        if self.cfg.sync and round_open and not self.in_flight:
+            self.aggregate()
+            round_open = False
+        elif not self.cfg.sync and len(self.buffer) >= self.cfg.buffer_size:
+            self.aggregate()
+        return round_open
 
     def run(self) -> dict:
         self.wait_for_nodes()
-        self.refresh_nodes()
-        self.resume()
-        if self.step_s <= 0:
-            self.step_s = self.measure_step_s()
-            self.event("calibrated", step_s=round(self.step_s, 4))
+        if self.cfg.resume:
+            self.resume()
         self.publish()
         initial = self.evaluate() if not self.evals else self.evals[0]["error"]
-        round_open = False
-        last_refresh = time.monotonic()
         loop_cpu, loop_eval_cpu = time.process_time(), self.eval_cpu_s
-        while self.version < self.cfg.versions and not self.should_stop():
-            if time.monotonic() - last_refresh > 1.0:
-                self.refresh_nodes()
-                last_refresh = time.monotonic()
-            if self.cfg.sync:
-                if not round_open:
-                    for node, rank in self.ranks.items():
-                        self.dispatch(node, rank)
-                    round_open = True
-            else:
-                busy = {d.node for d in self.in_flight.values()}
-                for node, rank in self.ranks.items():
-                    if node not in busy:
-                        self.dispatch(node, rank)
-            reply = self.next_reply()
-            if reply is None:
-                time.sleep(0.02)
-                continue
-            self.handle(reply)
-            if self.cfg.sync and round_open and not self.in_flight:
-                self.aggregate()
-                round_open = False
-            elif not self.cfg.sync and len(self.buffer) >= self.cfg.buffer_size:
-                self.aggregate()
-        loop_time = self.now()  # the simulated span; draining waits out lost messages' deadlines
-        self.drain()
-        if self.cfg.mode == "parablock" and self.pending_nodes:
-            self.refresh_nodes()
-            for node in sorted(self.pending_nodes & set(self.ranks)):
-                self.dispatch(node, self.ranks[node], action="flush")
+        failure = None
+        try:
+            round_open = False
+            while self.version < self.cfg.versions and not self.should_stop():
+                round_open = self.step(round_open)
+            loop_time = self.now()  # the simulated span; draining waits out lost messages' watchdogs
             self.drain()
-        self.aggregate()  # whatever arrived after the last aggregation
+            if self.cfg.mode == "parablock" and self.pending_nodes:
+                self.last_refresh = float("-inf")
+                self.refresh_nodes()
+                for node in sorted(self.pending_nodes & self.members.present):
+                    self.dispatch(node, action="flush")
+                self.drain()
+            self.aggregate()  # whatever arrived after the last aggregation
+            self.checkpointer.flush()
+        except CheckpointError as err:  # the run cannot be resumed past this point: stop and say why
+            failure, self.stop_reason = err, str(err)
+            self.event("stopped", reason=self.stop_reason)
+            loop_time = self.now()
         # the coordinator's own cost: the process's CPU over the loop (its thread, the patch store's and
         # the checkpointer's), held-out evaluations excluded; with in-process clients, theirs too
         self.loop = {"cpu_s": time.process_time() - loop_cpu - (self.eval_cpu_s - loop_eval_cpu), "time_s": loop_time}
         final = self.evaluate()
-        self.checkpointer.flush()
-        return self.finish(initial, final)
+        summary = self.finish(initial, final)
+        if failure:  # results are saved; the caller still learns that the run failed
+            raise failure
+        return summary
 
     def drain(self) -> None:
-        """Handle every reply still due (each message has its ttl as deadline)."""
-        deadline = time.monotonic() + (self.cfg.deadline_s if not self.clock.virtual else VIRTUAL_MODE_TTL_S) + 30
-        while self.in_flight and time.monotonic() < deadline:
-            reply = self.next_reply()
-            if reply is None:
+        """Handle every reply still due; each message's watchdog bounds the wait."""
+        while self.in_flight:
+            self.expire_overdue()
+            due = self.next_reply()
+            if due is None:
                 time.sleep(0.02)
             else:
-                self.handle(reply)
+                self.handle(*due)
 
     def finish(self, initial: float, final: float) -> dict:
-        self.part.set_all(self.lm.model, self.global_state)
+        self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
         adapter_dir = self.out_dir / "adapter"
-        self.lm.model.save_pretrained(adapter_dir)
+        self.adapter.lm.model.save_pretrained(adapter_dir)
         bytes_up = sum(c["bytes_up"] for c in self.clients.values())
         bytes_down = sum(c["bytes_down"] for c in self.clients.values())
         summary = {
-            "config": self.cfg.__dict__, "initial_eval": initial, "final_eval": final, "metric": "greedy_error",
+            "config": self.cfg.model_dump(), "initial_eval": initial, "final_eval": final, "metric": "greedy_error",
             "rounds": sum(c["messages"] for c in self.clients.values()), "versions": self.version,
-            "bytes_up": bytes_up, "bytes_down": bytes_down, "clock": self.cfg.clock, "time_s": round(self.now(), 2),
-            "step_s": self.step_s, "loop": self.loop,
+            "bytes_up": bytes_up, "bytes_down": bytes_down, "clock": "virtual" if self.clock.virtual else "real",
+            "time_s": round(self.now(), 2), "loop": self.loop, "stop_reason": self.stop_reason,
             "counts": self.counts, "evals": self.evals, "clients": {str(k): v for k, v in self.clients.items()},
             "events": self.events, "adapter_dir": str(adapter_dir),
         }
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
-    def close(self) -> None:
-        self.admin.close()
-        if self.store_server:
-            self.store_server.stop()
 
+def run_coordinator(grid, cfg: RunConfig, clock: Clock | None = None, progress=None) -> dict:
+    import numpy as np
+    import torch
 
-def run_coordinator(grid, cfg: RunConfig, progress=None) -> dict:
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
-    coordinator = Coordinator(grid, cfg, progress)
-    try:
+    with Coordinator(grid, cfg, clock, progress) as coordinator:
         return coordinator.run()
-    finally:
-        coordinator.close()

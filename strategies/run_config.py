@@ -1,18 +1,16 @@
-"""Every knob of a coordinator run in one dataclass (Flower run config keys may use dashes)."""
+"""Every knob of a coordinator run in one schema (Flower run config keys may use dashes)."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from dataclasses import dataclass
 from typing import Any, Mapping
 
-from fedrl.protocol import MODES, ProtocolError, record_to_dataclass
-from fedrl.sim.profiles import ClientProfile, ProfileError, resolve_profiles
+from pydantic import model_validator
+
+from fedrl.protocol import MODES, check_json
+from fedrl.schema import Schema
 
 
-@dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Schema):
     mode: str = "parablock"  # parablock | block-sequential | fedavg-lora
     sync: bool = False  # True: round barrier with deadline; False: FedBuff-style async
     model: str = "tiny-base"
@@ -35,50 +33,44 @@ class RunConfig:
     alpha: float = 0.5
     robust: str = "mean"  # mean | trimmed-mean | median
     clip_norm: float = 0.0  # 0: off
-    deadline_s: float = 300.0  # per-message ttl: the straggler deadline
+    deadline_s: float = 300.0  # a round's deadline on the run's clock (stragglers past it are cut)
+    watchdog_s: float = 600.0  # wall seconds after which a message with no reply is given up, whatever the clock
+    data_shards: int = 0  # the task's data is split in this many shards (client id % shards); 0: min_nodes
     anchor_every: int = 5
     eval_every: int = 4
     min_nodes: int = 2
     node_wait_s: float = 120.0
     max_time_s: float = 0.0  # stop after this many seconds on the run's clock; 0: no limit
     target_error: float = 0.0  # stop once a held-out eval reaches this error; 0: never
-    clock: str = "real"  # real: wall time; virtual: simulated time (fedrl.sim.clock)
-    step_s: float = 0.0  # virtual seconds per local step at speed 1; 0: measured on this machine at start
     stall_replies: int = 200  # stop when this many replies in a row bring no new version
     seed: int = 0
     out_dir: str = "runs/latest"
     checkpoint_dir: str = ""  # default: OUT_DIR/checkpoints
+    resume: bool = True  # continue from the newest good checkpoint in checkpoint_dir
     store_url: str = ""  # empty: run the patch store inside the ServerApp
     store_secret_file: str = ""  # deployments: the secret shared with the standalone store
-    profiles: str = ""  # a mix name, a profile file, or a JSON list of profiles (fedrl.sim.profiles)
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _consistent(self):
         if self.mode not in MODES:
-            raise ProtocolError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.versions < 1 or self.buffer_size < 1 or self.min_nodes < 1 or self.eval_every < 1:
-            raise ProtocolError("versions, buffer_size, min_nodes and eval_every must be >= 1")
-        if self.clock not in ("real", "virtual") or self.step_s < 0 or self.max_time_s < 0:
-            raise ProtocolError(f"clock must be real or virtual (got {self.clock!r}); step_s, max_time_s >= 0")
-        try:
-            json.loads(self.task_params)
-        except ValueError:
-            raise ProtocolError("task_params must be JSON") from None
-        try:
-            self.client_profiles(1)
-        except ProfileError as err:
-            raise ProtocolError(str(err)) from None
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if min(self.versions, self.buffer_size, self.min_nodes, self.eval_every, self.num_blocks) < 1:
+            raise ValueError("versions, buffer_size, min_nodes, eval_every and num_blocks must be >= 1")
+        if min(self.max_time_s, self.data_shards, self.clip_norm, self.target_error) < 0:
+            raise ValueError("max_time_s, data_shards, clip_norm and target_error must be >= 0")
+        if self.deadline_s <= 0 or self.watchdog_s <= 0 or self.node_wait_s <= 0:
+            raise ValueError("deadline_s, watchdog_s and node_wait_s must be > 0")
+        if not 1 <= self.min_steps <= self.max_steps:
+            raise ValueError("need 1 <= min_steps <= max_steps")
+        if self.robust not in ("mean", "trimmed-mean", "median") or self.schedule not in ("cyclic", "random", "lru"):
+            raise ValueError(f"unknown robust {self.robust!r} or schedule {self.schedule!r}")
+        check_json(self.task_params, "task_params")
+        return self
 
-    def client_profiles(self, n: int) -> list[ClientProfile]:
-        return resolve_profiles(self.profiles, n, self.seed)
+    @property
+    def shards(self) -> int:
+        return self.data_shards or self.min_nodes
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "RunConfig":
-        normalized = {k.replace("-", "_"): v for k, v in values.items()}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(normalized) - known)
-        if unknown:
-            raise ProtocolError(f"unknown run config keys: {unknown}")
-        return record_to_dataclass(cls, normalized)
-
-    def replace(self, **changes) -> "RunConfig":
-        return dataclasses.replace(self, **changes)
+        return cls.parse({k.replace("-", "_"): v for k, v in values.items()}, "run config")

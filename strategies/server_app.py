@@ -1,4 +1,5 @@
-"""The Flower ServerApp: reads the run config and runs the coordinator."""
+"""The Flower ServerApp of a real deployment: reads the run config and runs the coordinator
+on the wall clock (the simulation has its own: fedrl.sim.apps)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def make_server_app(cfg: RunConfig | None = None, progress=None, results: list |
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         config = cfg or RunConfig.from_mapping(context.run_config)
-        summary = run_coordinator(grid, config, progress)
+        summary = run_coordinator(grid, config, progress=progress)
         if results is not None:
             results.append(summary)
 

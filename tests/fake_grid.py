@@ -1,15 +1,51 @@
-"""LocalGrid with a `script` hook that may make a node fail (an error reply) or replace a
-reply (a dishonest client), for tests of the coordinator loop without Ray."""
+"""Grids for tests of the coordinator loop without Ray, and the small run settings they use.
+
+FakeGrid is a LocalGrid (the real ClientApp in this process) with a `script` hook that may
+make a node fail (an error reply) or replace a reply (a dishonest client), and with churn:
+`leave(node)` hides a node from get_node_ids (a message pushed to it gets what the
+SuperLink gives for a vanished node), `join(node)` adds or brings one back. Replies already
+computed for a node that leaves still come in: late replies from departed nodes.
+"""
 
 from __future__ import annotations
 
+import json
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
+
 from fedrl.sim.local_grid import LocalGrid
+from fedrl.strategies.run_config import RunConfig
 
 
 class FakeGrid(LocalGrid):
     def __init__(self, num_nodes: int, client_app, script=None):
         super().__init__(num_nodes, client_app)
         self.script = script or (lambda node, msg, reply: reply)
+        self.present = set(self.contexts)
+        self.sent: list[tuple[int, dict]] = []  # (node, instruction) of every message pushed
+
+    def get_node_ids(self):
+        return sorted(self.present)
+
+    def leave(self, node: int) -> None:
+        self.present.discard(node)
+
+    def join(self, node: int) -> None:
+        if node not in self.contexts:
+            self.contexts[node] = Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={})
+        self.present.add(node)
 
     def reply_to(self, node, msg):
+        self.sent.append((node, dict(msg.content["instruction"])))
+        if node not in self.present:
+            return Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node is not connected"), reply_to=msg)
         return self.script(node, msg, super().reply_to(node, msg))
+
+
+def small_config(tmp_path, **changes) -> RunConfig:
+    """A run small enough for a unit test: 2 steps of 4x4 rollouts per message."""
+    base = dict(versions=3, base_steps=2, min_steps=1, max_steps=4, prompts=4, samples=4, min_nodes=3,
+                eval_every=100, out_dir=str(tmp_path / "run"), deadline_s=60.0,
+                task_params=json.dumps({"length": 8, "num_eval": 32}))
+    return RunConfig(**{**base, **changes})

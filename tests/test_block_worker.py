@@ -1,8 +1,10 @@
 import pytest
 import torch
 
-from fedrl.clients.block_worker import block_correction, overlap_seconds
-from fedrl.protocol import ProtocolError, TrainInstruction, TrainReport
+from fedrl.clients.block_worker import block_correction
+from fedrl.clients.runtime import overlap_seconds
+from fedrl.protocol import TrainInstruction, TrainReport
+from fedrl.schema import SchemaError
 from fedrl.strategies.run_config import RunConfig
 
 
@@ -28,42 +30,53 @@ def _instruction(**kw):
     base = dict(action="train", mode="parablock", block=0, steps=2, version=0, store_url="http://127.0.0.1:1",
                 principal="node-1", token="t", public_key="", model="tiny-base", task="reversal", task_params="{}",
                 num_blocks=3, lora_rank=8, lora_alpha=16.0, lr=1e-3, prompts=2, samples=2, method="dg", seed=0,
-                client_id=0, num_clients=1)
+                client_id=0, data_shards=1)
     base.update(kw)
     return base
 
 
 def test_instruction_round_trip_and_validation():
-    instr = TrainInstruction.from_record(_instruction())
-    assert TrainInstruction.from_record(instr.to_record()) == instr
-    with pytest.raises(ProtocolError, match="missing field"):
-        TrainInstruction.from_record({k: v for k, v in _instruction().items() if k != "block"})
-    with pytest.raises(ProtocolError, match="must be int"):
-        TrainInstruction.from_record(_instruction(steps="many"))
-    with pytest.raises(ProtocolError, match="does not fit"):
-        TrainInstruction.from_record(_instruction(block=5))
-    with pytest.raises(ProtocolError, match="does not fit"):
-        TrainInstruction.from_record(_instruction(mode="fedavg-lora", block=0))
-    with pytest.raises(ProtocolError):
-        TrainInstruction.from_record(_instruction(mode="gossip"))
-    with pytest.raises(ProtocolError, match="JSON"):
-        TrainInstruction.from_record(_instruction(task_params="{not json"))
+    instr = TrainInstruction.parse(_instruction())
+    assert TrainInstruction.parse(instr.to_record()) == instr
+    with pytest.raises(SchemaError, match="block: Field required"):
+        TrainInstruction.parse({k: v for k, v in _instruction().items() if k != "block"})
+    with pytest.raises(SchemaError, match="steps: Input should be a valid integer"):
+        TrainInstruction.parse(_instruction(steps="many"))
+    with pytest.raises(SchemaError, match="does not fit"):
+        TrainInstruction.parse(_instruction(block=5))
+    with pytest.raises(SchemaError, match="does not fit"):
+        TrainInstruction.parse(_instruction(mode="fedavg-lora", block=0))
+    with pytest.raises(SchemaError):
+        TrainInstruction.parse(_instruction(mode="gossip"))
+    with pytest.raises(SchemaError, match="JSON"):
+        TrainInstruction.parse(_instruction(task_params="{not json"))
+    with pytest.raises(SchemaError, match="profile: Extra inputs are not permitted"):
+        TrainInstruction.parse(_instruction(profile="{}"))  # simulated traits do not travel in the protocol
+
+
+def test_a_wrong_type_anywhere_is_one_line():
+    with pytest.raises(SchemaError) as err:
+        TrainInstruction.parse(_instruction(steps=True, lr="fast", seed=1.5))
+    message = str(err.value)
+    assert "\n" not in message and "steps" in message and "lr" in message and "seed" in message
 
 
 def test_report_rejects_a_bad_upload_key():
     fields = dict(upload_key="xyz", upload_block=0, upload_base_version=0, upload_samples=1, synced_version=0,
                   reward=0.0, loss=0.0, gate_mean=0.0, steps=1, compute_s=0.0, comm_s=0.0, overlap_s=0.0,
                   duration_s=0.0, bytes_up=0, bytes_down=0, staleness=0)
-    with pytest.raises(ProtocolError, match="SHA-256"):
-        TrainReport.from_record(fields)
+    with pytest.raises(SchemaError, match="SHA-256"):
+        TrainReport.parse(fields)
+    with pytest.raises(SchemaError, match="duration_s must be a finite number"):
+        TrainReport.parse({**fields, "upload_key": "", "duration_s": float("nan")})
 
 
 def test_run_config_from_flower_style_keys_and_errors():
     cfg = RunConfig.from_mapping({"mode": "block-sequential", "buffer-size": 4, "sync": True})
     assert cfg.buffer_size == 4 and cfg.sync
-    with pytest.raises(ProtocolError, match="unknown run config"):
+    with pytest.raises(SchemaError, match="num_server_rounds: Extra inputs are not permitted"):
         RunConfig.from_mapping({"num-server-rounds": 3})
-    with pytest.raises(ProtocolError):
+    with pytest.raises(SchemaError, match="versions"):
         RunConfig.from_mapping({"versions": 0})
-    with pytest.raises(ProtocolError):
-        RunConfig.from_mapping({"profiles": "[1, 2]"})
+    with pytest.raises(SchemaError, match="sync: Input should be a valid boolean"):
+        RunConfig.from_mapping({"sync": "yes"})

@@ -3,11 +3,11 @@ import json
 import pytest
 from flwr.app import Message
 
-from fedrl.clients.client_app import app as client_app
-from fedrl.sim.clock import RealClock, VirtualClock, make_clock, round_seconds
-from fedrl.strategies.coordinator import run_coordinator
-from fedrl.strategies.run_config import RunConfig
-from fake_grid import FakeGrid
+from fake_grid import FakeGrid, small_config
+from fedrl.clock import RealClock
+from fedrl.sim.apps import client_app
+from fedrl.sim.clock import VirtualClock, round_seconds
+from fedrl.sim.simulated_server import SimConfig, run_simulated
 
 
 def test_round_seconds_composes_threads():
@@ -17,7 +17,7 @@ def test_round_seconds_composes_threads():
 
 
 def test_virtual_clock_hands_out_replies_in_arrival_order_only_when_safe():
-    clock = VirtualClock()
+    clock = VirtualClock(lookahead=lambda earliest: earliest)
     clock.sent("a", 1.0)
     clock.sent("b", 5.0)
     clock.sent("c", 2.0)
@@ -34,14 +34,24 @@ def test_virtual_clock_hands_out_replies_in_arrival_order_only_when_safe():
     assert clock.next_due() == ("e", "E") and clock.now() == 8.0
 
 
-def test_real_clock_keeps_arrival_order_and_make_clock_checks_mode():
-    clock = make_clock("real")
-    assert isinstance(clock, RealClock) and not clock.virtual
+def test_a_forgotten_message_no_longer_holds_the_virtual_clock():
+    clock = VirtualClock(lookahead=lambda earliest: earliest)
+    clock.sent("lost", 1.0)
+    clock.sent("b", 5.0)
+    clock.arrived("b", "B", 6.0)
+    assert clock.next_due() is None  # "lost" could still arrive at t>=1
+    clock.forget("lost")
+    assert clock.next_due() == ("b", "B") and clock.now() == 6.0
+
+
+def test_real_clock_keeps_arrival_order():
+    clock = RealClock()
+    assert not clock.virtual
     clock.arrived("x", "X", 100.0)
     clock.arrived("y", "Y", 0.0)
-    assert [clock.next_due()[1], clock.next_due()[1]] == ["X", "Y"]
-    with pytest.raises(ValueError):
-        make_clock("lunar")
+    clock.arrived("z", "Z", 0.0)
+    clock.forget("y")
+    assert [clock.next_due()[1], clock.next_due()[1]] == ["X", "Z"]
 
 
 @pytest.fixture(autouse=True)
@@ -61,17 +71,16 @@ class ScrambledGrid(FakeGrid):
         return [self.replies.pop(i) for i in reversed(ready)]
 
 
-def virtual_config(tmp_path, profiles, **kw) -> RunConfig:
+def virtual_run(tmp_path, profiles, **kw):
     """Three clients, 2 steps of 1 virtual second each at speed 1."""
-    return RunConfig(clock="virtual", step_s=1.0, base_steps=2, min_steps=2, max_steps=2, prompts=2, samples=2,
-                     min_nodes=3, eval_every=100, out_dir=str(tmp_path / "run"), profiles=json.dumps(profiles),
-                     task_params=json.dumps({"length": 8, "num_eval": 16}), **kw)
+    cfg = small_config(tmp_path, base_steps=2, min_steps=2, max_steps=2, prompts=2, samples=2, **kw)
+    return cfg, SimConfig(clock="virtual", step_s=1.0, profiles=json.dumps(profiles))
 
 
 def test_coordinator_orders_arrivals_by_virtual_time(tmp_path):
     profiles = [{"name": "fast", "speed": 4.0}, {"name": "mid", "speed": 1.0}, {"name": "slow", "speed": 0.25}]
-    cfg = virtual_config(tmp_path, profiles, mode="parablock", sync=False, versions=6, buffer_size=1)
-    summary = run_coordinator(ScrambledGrid(3, client_app), cfg)
+    cfg, sim = virtual_run(tmp_path, profiles, mode="parablock", sync=False, versions=6, buffer_size=1)
+    summary = run_simulated(ScrambledGrid(3, client_app), cfg, sim)
     replies = [e for e in summary["events"] if e["kind"] == "reply"]
     times = [e["t"] for e in replies]
     assert times == sorted(times), "replies were handled out of virtual order"
@@ -87,8 +96,8 @@ def test_coordinator_orders_arrivals_by_virtual_time(tmp_path):
 
 def test_virtual_deadline_cuts_stragglers_and_dropouts_are_errors(tmp_path):
     profiles = [{"name": "ok", "speed": 1.0}, {"name": "straggler", "speed": 0.01}, {"name": "flaky", "dropout": 0.99}]
-    cfg = virtual_config(tmp_path, profiles, mode="block-sequential", sync=True, versions=2, deadline_s=50.0)
-    summary = run_coordinator(FakeGrid(3, client_app), cfg)
+    cfg, sim = virtual_run(tmp_path, profiles, mode="block-sequential", sync=True, versions=2, deadline_s=50.0)
+    summary = run_simulated(FakeGrid(3, client_app), cfg, sim)
     assert summary["versions"] == 2
     errors = [e["reason"] for e in summary["events"] if e["kind"] == "error"]
     assert sum("deadline 50.0 s exceeded" in r for r in errors) == 2  # the straggler, each round

@@ -3,10 +3,9 @@ import json
 import pytest
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 
+from fake_grid import FakeGrid, small_config
 from fedrl.clients.client_app import app as client_app
 from fedrl.strategies.coordinator import run_coordinator
-from fedrl.strategies.run_config import RunConfig
-from fake_grid import FakeGrid
 
 
 @pytest.fixture(autouse=True)
@@ -17,10 +16,7 @@ def task_identity():
 
 
 def config(tmp_path, **kw):
-    base = dict(versions=3, base_steps=2, max_steps=4, prompts=4, samples=4, min_nodes=3, eval_every=100,
-                out_dir=str(tmp_path / "run"), deadline_s=60.0, task_params=json.dumps({"length": 8, "num_eval": 64}))
-    base.update(kw)
-    return RunConfig(**base)
+    return small_config(tmp_path, **kw)
 
 
 @pytest.mark.parametrize("mode,sync", [("parablock", False), ("parablock", True), ("block-sequential", True),
@@ -126,8 +122,8 @@ def test_exported_adapter_loads_with_peft_and_reproduces_the_final_eval(tmp_path
 
 
 def test_a_second_run_in_the_same_process_starts_from_the_fresh_adapter(tmp_path):
-    """The model is shared in-process (coordinator and local clients); a new run must not
-    inherit the weights the previous one trained into it."""
+    """Clients in this process share their model cache; the coordinator owns its own model,
+    so a new run does not inherit the weights the previous one trained."""
     first = run_coordinator(FakeGrid(3, client_app), config(tmp_path / "a", versions=2, eval_every=1))
     assert first["final_eval"] != first["initial_eval"]
     second = run_coordinator(FakeGrid(3, client_app), config(tmp_path / "b", versions=1))

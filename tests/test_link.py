@@ -5,7 +5,7 @@ import pytest
 
 from fedrl.credentials import new_secret, node_principal, token_for
 from fedrl.patch_store import PatchStoreServer, StoreState
-from fedrl.sim.link import Link, LinkProfile
+from fedrl.sim.link import LinkProfile, ShapedLink, VirtualLink
 from fedrl.store_client import PatchStoreClient
 
 
@@ -13,7 +13,7 @@ def test_virtual_link_time_is_exact_arithmetic():
     profile = LinkProfile(up_bytes_s=1000.0, down_bytes_s=4000.0, latency_s=0.05)
     assert profile.seconds(500, "up") == 0.05 + 0.5
     assert profile.seconds(2000, "down") == 0.05 + 0.5
-    link = Link(profile, virtual=True)
+    link = VirtualLink(profile)
     asyncio.run(link.send(3000))
     assert link.virtual_s == 3.0 and link.bytes_up == 3000
 
@@ -33,7 +33,7 @@ def test_real_link_shapes_loopback_transfers_within_20_percent(direction):
     async def go():
         async with PatchStoreClient(server.url, node_principal(1), token_for(secret, node_principal(1))) as c:
             digest = await c.put(data)  # unshaped: only the timed transfer goes through the link
-            c.link = Link(LinkProfile(up_bytes_s=rate, down_bytes_s=rate))
+            c.link = ShapedLink(LinkProfile(up_bytes_s=rate, down_bytes_s=rate))
             start = time.perf_counter()
             if direction == "up":
                 await c.put(data)

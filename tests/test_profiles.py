@@ -39,10 +39,10 @@ def test_profile_file_groups_and_mixes(tmp_path):
 
 
 @pytest.mark.parametrize("text,message", [
-    ('[[client]]\ncount = 2\nsped = 1.0\n', "unknown profile fields"),
+    ('[[client]]\ncount = 2\nsped = 1.0\n', "sped: Extra inputs are not permitted"),
     ('[[client]]\ncount = 0\n', "count must be a positive integer"),
     ('[[client]]\nspeed = -1.0\n', "must be > 0"),
-    ('[[client]]\nspeed = "fast"\n', "must be a number"),
+    ('[[client]]\nspeed = "fast"\n', "speed: Input should be a valid number"),
     ('[[client]]\ndropout = 1.5\n', r"dropout must be in \[0, 1\)"),
     ('[[client]]\nmix = "moon"\n', "unknown profile mix"),
     ('[[client]]\nmix = "mobile"\nspeed = 1.0\n', "only count and mix"),

@@ -1,20 +1,64 @@
-"""The real thing: Flower's run_simulation (Ray) with fedrl's ServerApp and ClientApp."""
+"""The real thing: Flower's run_simulation (Ray) with fedrl's simulated apps, and nodes that
+leave and come back while the coordinator runs."""
 
 import json
 
-from fedrl.sim.runner import simulate
-from fedrl.strategies.run_config import RunConfig
+import pytest
+
+pytestmark = pytest.mark.slow
 
 
-def test_run_simulation_end_to_end(tmp_path):
-    profiles = [{"speed": 1.0, "up_bytes_s": 2e6, "down_bytes_s": 4e6, "latency_s": 0.01},
-                {"speed": 0.5, "up_bytes_s": 5e5, "down_bytes_s": 1e6, "latency_s": 0.05}]
-    cfg = RunConfig(mode="parablock", sync=False, versions=3, buffer_size=1, base_steps=2, max_steps=4, prompts=4,
-                    samples=4, min_nodes=2, eval_every=100, out_dir=str(tmp_path / "run"), deadline_s=120.0,
-                    task_params=json.dumps({"length": 8, "num_eval": 32}), profiles=json.dumps(profiles))
-    summary = simulate(cfg, num_clients=2, quiet=True)
-    assert summary["versions"] >= 3
-    assert summary["counts"]["errors"] == 0 and summary["counts"]["accepted"] >= 3
-    assert set(summary["clients"]) and all(c["messages"] >= 2 for c in summary["clients"].values())
-    assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0
-    assert (tmp_path / "run" / "summary.json").exists()
+class ChurnView:
+    """The real simulation Grid, seen through membership that changes during the run: after
+    the 2nd reply the second node is gone (its in-flight reply still arrives, late), after
+    the 5th it is back. Records which client id each node is told it is."""
+
+    def __init__(self, grid):
+        self.grid, self.replies, self.client_ids = grid, 0, {}
+
+    def get_node_ids(self):
+        ids = sorted(self.grid.get_node_ids())
+        return [n for n in ids if n != ids[1]] if 2 <= self.replies < 5 else ids
+
+    def push_messages(self, msgs):
+        for m in msgs:
+            self.client_ids.setdefault(m.metadata.dst_node_id, set()).add(m.content["instruction"]["client_id"])
+        return self.grid.push_messages(msgs)
+
+    def pull_messages(self, ids):
+        replies = list(self.grid.pull_messages(ids))
+        self.replies += len(replies)
+        return replies
+
+
+def test_run_simulation_survives_churn_and_dropouts(tmp_path):
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    from fake_grid import small_config
+    from fedrl.sim.apps import client_app
+    from fedrl.sim.runner import ray_backend
+    from fedrl.sim.simulated_server import SimConfig, run_simulated
+
+    profiles = [{"name": "steady", "speed": 1.0, "up_bytes_s": 2e6, "down_bytes_s": 4e6, "latency_s": 0.01},
+                {"name": "churner", "speed": 0.5, "up_bytes_s": 5e5, "down_bytes_s": 1e6, "latency_s": 0.05},
+                {"name": "flaky", "speed": 1.0, "dropout": 0.5}]
+    cfg = small_config(tmp_path, mode="parablock", sync=False, versions=6, buffer_size=1, min_nodes=3)
+    sim = SimConfig(clock="virtual", step_s=0.05, profiles=json.dumps(profiles))
+    results, views = [], []
+    app = ServerApp()
+
+    @app.main()
+    def main(grid, context):
+        views.append(ChurnView(grid))
+        results.append(run_simulated(views[0], cfg, sim))
+
+    run_simulation(server_app=app, client_app=client_app, num_supernodes=3, backend_config=ray_backend(1.0))
+    (summary,) = results
+    assert summary["versions"] >= 6 and summary["counts"]["accepted"] >= 6
+    kinds = [e["kind"] for e in summary["events"]]
+    assert "left" in kinds and kinds.count("joined") >= 4  # three at the start, one coming back
+    assert all(len(ids) == 1 for ids in views[0].client_ids.values())  # nobody was renumbered
+    reasons = [e["reason"] for e in summary["events"] if e["kind"] == "error"]
+    assert any("dropped out" in r for r in reasons)  # the mod's error reply, not a ClientApp exception
+    assert not any("raised" in r or "Traceback" in r for r in reasons)

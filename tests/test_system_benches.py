@@ -1,7 +1,7 @@
 """The async and scale benchmarks' measuring pieces (the benchmarks themselves are commands)."""
 
-from fedrl.bench.async_rounds import time_to_target
-from fedrl.bench.scale import run_case
+from fedrl.sim.bench.async_rounds import time_to_target
+from fedrl.sim.bench.scale import run_case
 
 
 def test_time_to_target_is_the_first_eval_at_or_below_it():

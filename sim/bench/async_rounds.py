@@ -7,13 +7,13 @@ same unit of work (one calibration of step_s shared by all)."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
 from fedrl.bench.common import write_json
 from fedrl.sim.report import write_report
 from fedrl.sim.runner import simulate
+from fedrl.sim.simulated_server import SimConfig
 from fedrl.strategies.run_config import RunConfig
 
 STRATEGIES = {
@@ -41,8 +41,9 @@ def time_to_target(evals: list[dict], target: float) -> float | None:
 def main(args) -> int:
     clients = args.clients or (6 if args.quick else 12)
     budget = args.budget_s or (12.0 if args.quick else 300.0)
+    sim = SimConfig(profiles=args.profile, clock="virtual")
     base = RunConfig(
-        profiles=args.profile, clock="virtual", model="tiny-base", task="reversal",
+        model="tiny-base", task="reversal",
         task_params=json.dumps({"length": 8, "num_eval": 64 if args.quick else 256}),
         prompts=4 if args.quick else 8, samples=4 if args.quick else 8, lr=5e-4,
         versions=10_000, max_time_s=budget, buffer_size=max(2, clients // 2), max_staleness=8,
@@ -51,14 +52,15 @@ def main(args) -> int:
     )
     start = time.perf_counter()
     results, step_s = [], 0.0
-    runs = Path(args.out).with_suffix("")  # each strategy's run folder (summary, report, checkpoints)
-    shutil.rmtree(runs, ignore_errors=True)  # a fresh start: the coordinator would resume old checkpoints
+    out = Path(args.out)
+    # each strategy's run folder (summary, report, checkpoints): a new one per invocation, nothing deleted
+    runs = out.parent / f"{out.stem}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
     for name, settings in STRATEGIES.items():
-        cfg = base.replace(**settings, step_s=step_s, out_dir=str(runs / name))
+        cfg = base.replace(**settings, out_dir=str(runs / name), resume=False)
         print(f"[{name}] {clients} clients, {budget:g} virtual s")
-        s = simulate(cfg, clients, engine=args.engine)
+        s = simulate(cfg, sim.replace(step_s=step_s), clients, engine=args.engine)
         write_report(s, runs / name)
-        step_s = s["step_s"]  # the first strategy's calibration is every strategy's unit of work
+        step_s = s["simulation"]["step_s"]  # the first strategy's calibration is every strategy's unit of work
         results.append({
             "name": name, "time_to_target_s": time_to_target(s["evals"], args.target), "final_eval": s["final_eval"],
             "initial_eval": s["initial_eval"], "bytes_up": s["bytes_up"] / clients, "bytes_down": s["bytes_down"] / clients,

@@ -31,16 +31,16 @@ def run_case(case: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from fedrl.clients.client_app import app as client_app
+    from fedrl.sim.apps import client_app
     from fedrl.sim.local_grid import LocalGrid
-    from fedrl.strategies.coordinator import run_coordinator
+    from fedrl.sim.simulated_server import SimConfig, run_simulated
     from fedrl.strategies.run_config import RunConfig
 
     n = case["clients"]
     buffer = max(2, n // 5)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = RunConfig(
-            profiles="mixed-volunteers", clock="virtual", step_s=case["step_s"], mode="parablock", sync=False,
+            mode="parablock", sync=False,
             model="tiny-base", task="reversal", task_params=json.dumps({"length": 8, "num_eval": 16}),
             prompts=2, samples=4, base_steps=2, min_steps=1, max_steps=4, buffer_size=buffer,
             versions=max(2, int(case["messages_per_client"] * n / buffer)), max_staleness=50, deadline_s=60.0,
@@ -48,7 +48,7 @@ def run_case(case: dict) -> dict:
         )
         grid = LocalGrid(n, client_app)
         wall0 = time.perf_counter()
-        summary = run_coordinator(grid, cfg)
+        summary = run_simulated(grid, cfg, SimConfig(profiles="mixed-volunteers", step_s=case["step_s"]))
         wall = time.perf_counter() - wall0
     cpu = summary["loop"]["cpu_s"] - grid.client_cpu_s  # ClientApps run inside the coordinator's thread here
     virtual_s = summary["loop"]["time_s"]
@@ -58,7 +58,7 @@ def run_case(case: dict) -> dict:
         "coordinator_cpu_ms_per_msg": 1e3 * cpu / max(1, messages),
         "coordinator_overhead": cpu / max(virtual_s, 1e-9),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "virtual_s": virtual_s, "wall_s": wall, "step_s": summary["step_s"],
+        "virtual_s": virtual_s, "wall_s": wall, "step_s": summary["simulation"]["step_s"],
         # the whole run on both clocks (the drain waits out lost messages' deadlines in virtual time)
         "wall_s_per_virtual_hour": wall / max(summary["time_s"], 1e-9) * 3600,
         "client_cpu_s": grid.client_cpu_s,
@@ -66,17 +66,10 @@ def run_case(case: dict) -> dict:
 
 
 def default_step_s() -> float:
-    from fedrl.clients.client_app import app as client_app
-    from fedrl.sim.local_grid import LocalGrid
-    from fedrl.strategies.coordinator import Coordinator
+    from fedrl.sim.simulated_server import calibrate_step_s
     from fedrl.strategies.run_config import RunConfig
 
-    with tempfile.TemporaryDirectory() as tmp:
-        coordinator = Coordinator(LocalGrid(1, client_app), RunConfig(out_dir=tmp, min_nodes=1))
-        try:
-            return coordinator.measure_step_s()
-        finally:
-            coordinator.close()
+    return calibrate_step_s(RunConfig())
 
 
 def main(args) -> int:

@@ -50,6 +50,12 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_sim(args) -> int:
+    from fedrl.sim.runner import main as simulate_main
+
+    return simulate_main(args)
+
+
 def cmd_patch_store(args) -> int:
     from pathlib import Path
 
@@ -62,19 +68,29 @@ def cmd_patch_store(args) -> int:
     return 0
 
 
-BENCHMARKS = {  # name: (module in fedrl.bench, what it measures)
-    "dg": ("dg", "DG vs REINFORCE, IW-PG, PPO, decoupled PPO under frictions (reversal, digits)"),
-    "pulse": ("pulse", "sparse patch codec on real RL updates: sparsity, ratio, throughput, bit-identity"),
-    "overlap": ("overlap", "block-sequential vs parablock round time vs max(comm, compute), virtual and real links"),
-    "async": ("async_rounds", "time to target and bytes per client: fedavg-lora, block rounds, parablock sync/async"),
-    "scale": ("scale", "10 / 100 / 1000 virtual clients: coordinator CPU per message, memory, wall s per virtual hour"),
+BENCHMARKS = {  # name: (module, what it measures); modules are imported only when run
+    "dg": ("fedrl.bench.dg", "DG vs REINFORCE, IW-PG, PPO, decoupled PPO under frictions (reversal, digits)"),
+    "pulse": ("fedrl.bench.pulse", "sparse patch codec on real RL updates: sparsity, ratio, throughput, bit-identity"),
+    "overlap": ("fedrl.sim.bench.overlap",
+                "block-sequential vs parablock round time vs max(comm, compute), virtual and real links"),
+    "async": ("fedrl.sim.bench.async_rounds",
+              "time to target and bytes per client: fedavg-lora, block rounds, parablock sync/async"),
+    "scale": ("fedrl.sim.bench.scale",
+              "10 / 100 / 1000 virtual clients: coordinator CPU per message, memory, wall s per virtual hour"),
 }
 
 
 def cmd_bench(args) -> int:
     import importlib
 
-    return importlib.import_module(f"fedrl.bench.{BENCHMARKS[args.bench][0]}").main(args)
+    module_name, help_text = BENCHMARKS[args.bench]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"fedrl bench {args.bench}", description=help_text)
+    parser.add_argument("--quick", action="store_true", help="a reduced run (under a minute)")
+    parser.add_argument("--out", default=f"runs/bench-{args.bench}.json", help="JSON output path (PNG beside it)")
+    parser.add_argument("--workers", type=int, default=2, help="processes running cases side by side")
+    module.add_arguments(parser)
+    return module.main(parser.parse_args(args.bench_args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, help="override the scenario's number of clients")
     p.add_argument("--out", help="output folder (default runs/sim-TIMESTAMP)")
     p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="run config overrides, e.g. mode=block-sequential sync=true")
-    p.set_defaults(func=lambda args: __import__("fedrl.sim.runner", fromlist=["main"]).main(args))
+    p.set_defaults(func=cmd_sim)
 
     p = sub.add_parser("patch-store", help="run the patch store (data plane) as its own service")
     p.add_argument("--host", default="127.0.0.1")
@@ -116,15 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-object-mb", type=int, default=256)
     p.set_defaults(func=cmd_patch_store)
 
-    p = sub.add_parser("bench", help="run a benchmark; writes JSON and a PNG")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="NAME")
-    for name, (module, help_text) in BENCHMARKS.items():
-        b = bench.add_parser(name, help=help_text)
-        b.add_argument("--quick", action="store_true", help="a reduced run (under a minute)")
-        b.add_argument("--out", default=f"runs/bench-{name}.json", help="JSON output path (PNG beside it)")
-        b.add_argument("--workers", type=int, default=2, help="processes running cases side by side")
-        __import__(f"fedrl.bench.{module}", fromlist=["add_arguments"]).add_arguments(b)
-        b.set_defaults(func=cmd_bench)
+    listing = "; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items())
+    p = sub.add_parser("bench", help="run a benchmark; writes JSON and a PNG",
+                       description=f"Benchmarks ({listing}). `fedrl bench NAME --help` shows a benchmark's options.")
+    p.add_argument("bench", choices=list(BENCHMARKS), metavar="NAME", help=", ".join(BENCHMARKS))
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -132,10 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError, TimeoutError) as err:
+    except (ValueError, OSError, ModuleNotFoundError, TimeoutError) as err:  # SchemaError is a ValueError
         print(f"fedrl {args.command}: error: {err}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

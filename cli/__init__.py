@@ -1,0 +1,1 @@
+"""The `fedrl` command, on top of every layer."""

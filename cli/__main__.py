@@ -1,0 +1,5 @@
+import sys
+
+from fedrl.cli.main import main
+
+sys.exit(main())

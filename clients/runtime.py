@@ -1,0 +1,89 @@
+"""What surrounds a client: its links, the pace of its steps, how its rounds are timed and
+what its actor does to rollouts. `Runtime` is the real world: plain links, wall-clock
+timings, an honest actor. The simulation wraps the ClientApp with a mod that installs
+another runtime for the length of one message (`use_runtime`); the worker asks
+`current_runtime()` and never knows which it got.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from fedrl.link import Link
+
+
+@dataclass
+class CommResult:
+    """What one pass of the communication thread did."""
+
+    held: dict | None = None  # the global adapter it synced to
+    upload_key: str = ""
+    links: list[Link] = field(default_factory=list)
+    intervals: list[tuple[float, float]] = field(default_factory=list)  # when the link was busy (wall clock)
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def bytes_up(self) -> int:
+        return sum(link.bytes_up for link in self.links)
+
+    @property
+    def bytes_down(self) -> int:
+        return sum(link.bytes_down for link in self.links)
+
+
+@dataclass(frozen=True)
+class Timing:
+    compute_s: float
+    comm_s: float
+    overlap_s: float
+    duration_s: float
+
+
+def overlap_seconds(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+class Runtime:
+    def open_link(self) -> Link:
+        return Link()
+
+    def pace(self, step_wall_s: float) -> None:
+        """Called after each local step with its wall seconds."""
+
+    def landed(self, comm: CommResult, steps_done: int) -> bool:
+        """Whether the comm thread's result is available to compute after `steps_done` steps."""
+        return comm.done.is_set()
+
+    def timing(self, overlapped: bool, compute: tuple[float, float], steps: int, before: CommResult,
+               after: CommResult | None, start: float) -> Timing:
+        """The round's timing: measured on the wall clock."""
+        intervals = before.intervals + (after.intervals if after else [])
+        return Timing(compute[1] - compute[0], sum(end - begin for begin, end in intervals),
+                      sum(overlap_seconds(compute, iv) for iv in intervals), time.perf_counter() - start)
+
+    def perturb_rollouts(self, batch, lm, task, rng) -> None:
+        """The actor's own faults, before scoring (none on an honest client)."""
+
+    def perturb_rewards(self, rewards, rng) -> None:
+        """Faults of the reward signal (none on an honest client)."""
+
+
+_current: ContextVar[Runtime] = ContextVar("fedrl_client_runtime", default=Runtime())
+
+
+def current_runtime() -> Runtime:
+    return _current.get()
+
+
+@contextmanager
+def use_runtime(runtime: Runtime):
+    token = _current.set(runtime)
+    try:
+        yield runtime
+    finally:
+        _current.reset(token)

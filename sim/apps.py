@@ -1,0 +1,41 @@
+"""The Flower apps of a simulation: the real ClientApp behind the simulation's mod, and a
+ServerApp that runs the real coordinator inside the simulation (fedrl.sim.simulated_server).
+`flwr run .` uses these (pyproject's [tool.flwr.app.components]); `fedrl sim` builds them
+with its scenario's settings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedrl.clients.client_app import make_client_app
+from fedrl.sim.report import write_report
+from fedrl.sim.simulated_client import simulated_client
+from fedrl.sim.simulated_server import SimConfig, run_simulated, split_config
+from fedrl.strategies.run_config import RunConfig
+
+client_app = make_client_app(mods=[simulated_client])
+
+
+def make_server_app(cfg: RunConfig | None = None, sim: SimConfig | None = None, progress=None,
+                    results: list | None = None) -> ServerApp:
+    """Bound to `cfg` and `sim` (`fedrl sim`), or reading Flower's run config (`flwr run`),
+    in which case it also writes the report."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        run_cfg, sim_cfg = (cfg, sim) if cfg is not None else split_config(context.run_config)
+        summary = run_simulated(grid, run_cfg, sim_cfg or SimConfig(), progress)
+        if results is not None:
+            results.append(summary)
+        else:
+            write_report(summary, Path(run_cfg.out_dir))
+
+    return app
+
+
+server_app = make_server_app()

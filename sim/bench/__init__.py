@@ -1,0 +1,1 @@
+"""Benchmarks that drive the whole system: overlap, async rounds, scale."""

@@ -1,0 +1,94 @@
+"""The simulated client: the real ClientApp with a mod in front.
+
+The simulation's Grid wrapper (fedrl.sim.simulated_server) stamps each message with a
+`fedrl.sim` record: the client's profile, the clock mode, the unit of work and the run's
+clock. This mod takes the stamp off (the real app sees only the real protocol), decides
+whether the client is reachable at all (offline periods, dropouts: an error reply, as the
+SuperLink gives for a vanished node, without a traceback), and runs the real app under a
+`SimulatedRuntime`: shaped or virtual links, slowdown, virtual timings, actor frictions.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+from flwr.app import Context, Error, Message
+from flwr.common.constant import ErrorCode
+
+from fedrl.clients.runtime import CommResult, Runtime, Timing, use_runtime
+from fedrl.frictions import corrupt_rewards, inject_bugs
+from fedrl.link import Link
+from fedrl.protocol import TrainInstruction
+from fedrl.schema import Schema, SchemaError
+from fedrl.sim.clock import round_seconds
+from fedrl.sim.link import make_link
+from fedrl.sim.profiles import ClientProfile
+
+STAMP = "fedrl.sim"
+
+
+class Stamp(Schema):
+    profile: str  # ClientProfile JSON
+    clock: str  # real | virtual
+    step_s: float  # seconds of one local step at speed 1
+    now_s: float  # the run's clock when the message was sent
+
+
+class SimulatedRuntime(Runtime):
+    def __init__(self, profile: ClientProfile, virtual: bool, step_s: float):
+        self.profile, self.virtual = profile, virtual
+        self.step_v = step_s / profile.speed  # seconds of one step on this client
+
+    def open_link(self) -> Link:
+        return make_link(self.profile.link, self.virtual)
+
+    def pace(self, step_wall_s: float) -> None:
+        if not self.virtual and self.profile.speed < 1.0:  # a slower machine than this one
+            time.sleep((1.0 / self.profile.speed - 1.0) * step_wall_s)
+
+    def link_seconds(self, comm: CommResult | None) -> float:
+        return sum(link.virtual_s for link in comm.links) if comm else 0.0
+
+    def landed(self, comm: CommResult, steps_done: int) -> bool:
+        # on the virtual clock the patch lands once the steps so far outlast the link's seconds
+        return comm.done.is_set() and (not self.virtual or steps_done * self.step_v >= self.link_seconds(comm))
+
+    def timing(self, overlapped, compute, steps, before, after, start) -> Timing:
+        if not self.virtual:
+            return super().timing(overlapped, compute, steps, before, after, start)
+        compute_s, before_s, after_s = steps * self.step_v, self.link_seconds(before), self.link_seconds(after)
+        duration, overlap = round_seconds(overlapped, compute_s, before_s, after_s)
+        return Timing(compute_s, before_s + after_s, overlap, duration)
+
+    def perturb_rollouts(self, batch, lm, task, rng) -> None:
+        inject_bugs(batch, lm, "0" * task.max_answer_tokens, self.profile.bug_prob, rng)
+
+    def perturb_rewards(self, rewards, rng) -> None:
+        corrupt_rewards(rewards, self.profile.reward_noise_prob, rng)
+
+
+def simulated_client(msg: Message, context: Context, call_next) -> Message:
+    """Flower mod: see the module docstring. Messages without a stamp pass through untouched."""
+    if STAMP not in msg.content.config_records:
+        return call_next(msg, context)
+    try:
+        stamp = Stamp.parse(msg.content.config_records[STAMP], "simulation stamp")
+        profile = ClientProfile.from_mapping(json.loads(stamp.profile))
+    except (SchemaError, ValueError) as err:
+        return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=str(err)), reply_to=msg)
+    del msg.content[STAMP]
+    runtime = SimulatedRuntime(profile, stamp.clock == "virtual", stamp.step_s)
+    try:
+        instr = TrainInstruction.parse(msg.content["instruction"])
+    except (KeyError, SchemaError):
+        instr = None  # the real app answers a malformed message itself
+    if instr is not None:
+        rng = np.random.default_rng([instr.seed, instr.client_id, instr.round, 1])
+        gone = profile.offline_reason(instr.client_id, stamp.now_s, instr.steps * runtime.step_v, rng)
+        if gone:
+            reason = f"client {instr.client_id} ({profile.name}): {gone}"
+            return Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason=reason), reply_to=msg)
+    with use_runtime(runtime):
+        return call_next(msg, context)
