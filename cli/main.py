@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def cmd_models(args) -> int:
@@ -57,8 +58,6 @@ def cmd_sim(args) -> int:
 
 
 def cmd_patch_store(args) -> int:
-    from pathlib import Path
-
     from fedrl.patch_store import serve
 
     secret = Path(args.secret_file).read_bytes().strip()
@@ -90,7 +89,10 @@ def cmd_bench(args) -> int:
     parser.add_argument("--out", default=f"runs/bench-{args.bench}.json", help="JSON output path (PNG beside it)")
     parser.add_argument("--workers", type=int, default=2, help="processes running cases side by side")
     module.add_arguments(parser)
-    return module.main(parser.parse_args(args.bench_args))
+    bench_args = parser.parse_args(args.bench_args)
+    if Path(bench_args.out).is_dir():  # a folder: the JSON goes inside it
+        bench_args.out = str(Path(bench_args.out) / f"bench-{args.bench}.json")
+    return module.main(bench_args)
 
 
 def build_parser() -> argparse.ArgumentParser:

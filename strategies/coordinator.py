@@ -58,6 +58,8 @@ class Coordinator:
     """Use as a context manager: everything it starts (store, clients, threads) is closed on exit,
     also when setting up fails half way."""
 
+    refresh_every_s = 1.0  # how often the Grid is asked which nodes are connected
+
     def __init__(self, grid, cfg: RunConfig, clock: Clock | None = None, progress=None):
         self.grid, self.cfg, self.progress = grid, cfg, progress
         self.clock = clock or RealClock()
@@ -165,7 +167,7 @@ class Coordinator:
     def refresh_nodes(self) -> None:
         """Take the Grid's current nodes (at most once a second); joins and departures are
         events, ids stay stable."""
-        if time.monotonic() - self.last_refresh < 1.0:
+        if time.monotonic() - self.last_refresh < self.refresh_every_s:
             return
         self.last_refresh = time.monotonic()
         joined, left = self.members.refresh(self.grid.get_node_ids())

@@ -31,3 +31,17 @@ def test_sim_lists_scenarios_and_refuses_unknown_ones_clearly():
     assert out.returncode == 0 and "mixed-volunteers" in out.stdout and "default" in out.stdout
     out = run("sim", "--scenario", "atlantis")
     assert out.returncode == 2 and "unknown scenario 'atlantis'" in out.stderr
+
+
+def test_help_imports_no_heavy_module():
+    """Before: 3.6 s, every benchmark imported (torch, flwr) just to build the parser."""
+    code = ("import sys; from fedrl.cli.main import build_parser; build_parser().format_help(); "
+            "print(sorted(m for m in ('torch', 'flwr', 'transformers', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_wrong_override_type_is_one_line():
+    out = run("sim", "--set", "versions=many")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "versions: Input should be a valid integer" in out.stderr and len(out.stderr.strip().splitlines()) == 1
