@@ -45,8 +45,14 @@ def cmd_eval(args) -> int:
     problems = task.eval_problems()[: args.limit or None]
     start = time.perf_counter()
     error = greedy_error(lm, task, problems, batch_size=args.batch_size)
-    result = {"model": args.model, "task": task.name, "problems": len(problems), "greedy_error": error,
-              "greedy_accuracy": 1 - error, "seconds": round(time.perf_counter() - start, 1)}
+    result = {
+        "model": args.model,
+        "task": task.name,
+        "problems": len(problems),
+        "greedy_error": error,
+        "greedy_accuracy": 1 - error,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
     print(json.dumps(result))
     return 0
 
@@ -69,13 +75,22 @@ def cmd_patch_store(args) -> int:
 
 BENCHMARKS = {  # name: (module, what it measures); modules are imported only when run
     "dg": ("fedrl.bench.dg", "DG vs REINFORCE, IW-PG, PPO, decoupled PPO under frictions (reversal, digits)"),
-    "pulse": ("fedrl.bench.pulse", "sparse patch codec on real RL updates: sparsity, ratio, throughput, bit-identity"),
-    "overlap": ("fedrl.sim.bench.overlap",
-                "block-sequential vs parablock round time vs max(comm, compute), virtual and real links"),
-    "async": ("fedrl.sim.bench.async_rounds",
-              "time to target and bytes per client: fedavg-lora, block rounds, parablock sync/async"),
-    "scale": ("fedrl.sim.bench.scale",
-              "10 / 100 / 1000 virtual clients: coordinator CPU per message, memory, wall s per virtual hour"),
+    "pulse": (
+        "fedrl.bench.pulse",
+        "sparse patch codec on real RL updates: sparsity, ratio, throughput, bit-identity",
+    ),
+    "overlap": (
+        "fedrl.sim.bench.overlap",
+        "block-sequential vs parablock round time vs max(comm, compute), virtual and real links",
+    ),
+    "async": (
+        "fedrl.sim.bench.async_rounds",
+        "time to target and bytes per client: fedavg-lora, block rounds, parablock sync/async",
+    ),
+    "scale": (
+        "fedrl.sim.bench.scale",
+        "10 / 100 / 1000 virtual clients: coordinator CPU per message, memory, wall s per virtual hour",
+    ),
 }
 
 
@@ -86,7 +101,9 @@ def cmd_bench(args) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"fedrl bench {args.bench}", description=help_text)
     parser.add_argument("--quick", action="store_true", help="a reduced run (under a minute)")
-    parser.add_argument("--out", default=f"runs/bench-{args.bench}.json", help="JSON output path (PNG beside it)")
+    parser.add_argument(
+        "--out", default=f"runs/bench-{args.bench}.json", help="JSON output path (PNG beside it)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="processes running cases side by side")
     module.add_arguments(parser)
     bench_args = parser.parse_args(args.bench_args)
@@ -106,37 +123,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", nargs="+", default=["tiny-base"], help="model specs to prepare")
     p.set_defaults(func=cmd_prepare)
 
-    p = sub.add_parser("eval", help="greedy held-out error of a model (optionally with a LoRA adapter) on a task")
+    p = sub.add_parser(
+        "eval", help="greedy held-out error of a model (optionally with a LoRA adapter) on a task"
+    )
     p.add_argument("--model", default="tiny-base")
     p.add_argument("--adapter", help="a PEFT adapter directory to load on top of the model")
     p.add_argument("--task", default="reversal", help="reversal, addition or digits")
-    p.add_argument("--task-params", default="{}", help='JSON task parameters, e.g. \'{"length": 8}\'')
+    p.add_argument("--task-params", default="{}", help="JSON task parameters, e.g. '{\"length\": 8}'")
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N held-out problems")
     p.add_argument("--batch-size", type=int, default=64)
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("sim", help="Flower simulation of a scenario (default: tiny model, reversal, 8 volunteers)")
+    p = sub.add_parser(
+        "sim", help="Flower simulation of a scenario (default: tiny model, reversal, 8 volunteers)"
+    )
     p.add_argument("--scenario", default="default", help="a shipped scenario name or a .toml file")
     p.add_argument("--list", action="store_true", help="list the shipped scenarios and exit")
-    p.add_argument("--engine", choices=["ray", "local"], default="ray",
-                   help="ray: Flower's run_simulation; local: ClientApps in this process, one at a time")
+    p.add_argument(
+        "--engine",
+        choices=["ray", "local"],
+        default="ray",
+        help="ray: Flower's run_simulation; local: ClientApps in this process, one at a time",
+    )
     p.add_argument("--clients", type=int, help="override the scenario's number of clients")
     p.add_argument("--out", help="output folder (default runs/sim-TIMESTAMP)")
-    p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="run config overrides, e.g. mode=block-sequential sync=true")
+    p.add_argument(
+        "--set",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="run config overrides, e.g. mode=block-sequential sync=true",
+    )
     p.set_defaults(func=cmd_sim)
 
     p = sub.add_parser("patch-store", help="run the patch store (data plane) as its own service")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8800)
-    p.add_argument("--secret-file", required=True, help="the secret shared with the coordinator (node tokens derive from it)")
+    p.add_argument(
+        "--secret-file",
+        required=True,
+        help="the secret shared with the coordinator (node tokens derive from it)",
+    )
     p.add_argument("--certfile", help="TLS certificate (PEM); with --keyfile serves HTTPS")
     p.add_argument("--keyfile")
     p.add_argument("--max-object-mb", type=int, default=256)
     p.set_defaults(func=cmd_patch_store)
 
     listing = "; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items())
-    p = sub.add_parser("bench", help="run a benchmark; writes JSON and a PNG",
-                       description=f"Benchmarks ({listing}). `fedrl bench NAME --help` shows a benchmark's options.")
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark; writes JSON and a PNG",
+        description=f"Benchmarks ({listing}). `fedrl bench NAME --help` shows a benchmark's options.",
+    )
     p.add_argument("bench", choices=list(BENCHMARKS), metavar="NAME", help=", ".join(BENCHMARKS))
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     p.set_defaults(func=cmd_bench)
@@ -150,4 +187,3 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, ModuleNotFoundError, TimeoutError) as err:  # SchemaError is a ValueError
         print(f"fedrl {args.command}: error: {err}", file=sys.stderr)
         return 2
-

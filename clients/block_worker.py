@@ -56,7 +56,9 @@ class ClientState:
     pending: Pending | None = None
 
 
-def block_correction(local: Tensors, base: Tensors, new_global: Tensors, block_names: list[str]) -> tuple[Tensors, Tensors]:
+def block_correction(
+    local: Tensors, base: Tensors, new_global: Tensors, block_names: list[str]
+) -> tuple[Tensors, Tensors]:
     """Other blocks take the new global values; the trained block keeps its progress on top of
     the new global block. Returns the corrected local copy and the new base of the block."""
     corrected = {n: t.clone() for n, t in new_global.items()}
@@ -65,8 +67,14 @@ def block_correction(local: Tensors, base: Tensors, new_global: Tensors, block_n
     return corrected, {n: new_global[n].clone() for n in block_names}
 
 
-def communicate(instr: TrainInstruction, state: ClientState, upload: bytes | None, sync: str,
-                result: CommResult, runtime: Runtime) -> None:
+def communicate(
+    instr: TrainInstruction,
+    state: ClientState,
+    upload: bytes | None,
+    sync: str,
+    result: CommResult,
+    runtime: Runtime,
+) -> None:
     """The communication thread: upload (if any), then bring the held global adapter to
     instr.version: sync="patch" by the cheapest verified patches, "full" by an anchor only
     (fedavg-lora exchanges the whole adapter), "none" to skip."""
@@ -88,7 +96,9 @@ def communicate(instr: TrainInstruction, state: ClientState, upload: bytes | Non
                 if sync == "full":
                     refs = [r for r in refs if r.base_version is None]
                 fetch = lambda ref: verify_signed_patch(run(client.get(ref.key)), public_key)  # noqa: E731
-                result.held, _ = synchronize(held, state.held_version if held else None, instr.version, refs, fetch)
+                result.held, _ = synchronize(
+                    held, state.held_version if held else None, instr.version, refs, fetch
+                )
         finally:
             run(client.__aexit__(None, None, None))
     except Exception as err:  # handed to the compute thread, which raises it
@@ -111,8 +121,9 @@ def _encode_upload(pending: Pending | None, full: bool = False) -> bytes | None:
 
 def _comm_thread(instr, state, upload, sync, runtime) -> tuple[threading.Thread, CommResult]:
     result = CommResult()
-    thread = threading.Thread(target=communicate, args=(instr, state, upload, sync, result, runtime),
-                              name="comm", daemon=True)
+    thread = threading.Thread(
+        target=communicate, args=(instr, state, upload, sync, result, runtime), name="comm", daemon=True
+    )
     thread.start()
     return thread, result
 
@@ -124,7 +135,9 @@ def _finish(thread: threading.Thread, result: CommResult) -> CommResult:
     return result
 
 
-def handle(instr: TrainInstruction, state: ClientState, models: ModelCache) -> tuple[TrainReport, ClientState]:
+def handle(
+    instr: TrainInstruction, state: ClientState, models: ModelCache
+) -> tuple[TrainReport, ClientState]:
     """Do what `instr` asks; returns the report and the state to keep for the next message."""
     start = time.perf_counter()
     runtime = current_runtime()
@@ -144,7 +157,9 @@ def handle(instr: TrainInstruction, state: ClientState, models: ModelCache) -> t
         if not overlapped:  # sequential modes, and a parablock client's first round: sync first
             _finish(thread, comm)
         local = state.local if overlapped else comm.held
-        base, corrected, metrics, compute = _train(instr, adapter, names, local, comm, runtime, not overlapped)
+        base, corrected, metrics, compute = _train(
+            instr, adapter, names, local, comm, runtime, not overlapped
+        )
     finally:
         thread.join()
     if comm.error:
@@ -153,14 +168,22 @@ def handle(instr: TrainInstruction, state: ClientState, models: ModelCache) -> t
         base = _correct(adapter, comm.held, base, names)
     new_local = adapter.part.get_all(adapter.lm.model)
     staleness = instr.version - (state.held_version or 0) if overlapped else 0
-    pending = Pending(instr.block, instr.version, base, {n: new_local[n].clone() for n in names},
-                      instr.steps * instr.prompts * instr.samples)
+    pending = Pending(
+        instr.block,
+        instr.version,
+        base,
+        {n: new_local[n].clone() for n in names},
+        instr.steps * instr.prompts * instr.samples,
+    )
     after = None
     if instr.mode == "parablock":
         uploaded, keep = (state.pending if upload is not None else None), pending
     else:  # sequential modes upload this round's delta after compute, through the same kind of link
-        after = _finish(*_comm_thread(instr, state, _encode_upload(pending, full=instr.mode == "fedavg-lora"),
-                                      "none", runtime))
+        after = _finish(
+            *_comm_thread(
+                instr, state, _encode_upload(pending, full=instr.mode == "fedavg-lora"), "none", runtime
+            )
+        )
         comm.upload_key = after.upload_key
         uploaded, keep = pending, None
     timing = runtime.timing(overlapped, compute, len(metrics), comm, after, start)
@@ -170,8 +193,15 @@ def handle(instr: TrainInstruction, state: ClientState, models: ModelCache) -> t
     return report, ClientState(new_local, comm.held, instr.version, keep)
 
 
-def _train(instr: TrainInstruction, adapter: AdapterModel, names: list[str], local: Tensors, comm: CommResult,
-           runtime: Runtime, corrected: bool) -> tuple[Tensors, bool, list[dict], tuple[float, float]]:
+def _train(
+    instr: TrainInstruction,
+    adapter: AdapterModel,
+    names: list[str],
+    local: Tensors,
+    comm: CommResult,
+    runtime: Runtime,
+    corrected: bool,
+) -> tuple[Tensors, bool, list[dict], tuple[float, float]]:
     """The compute thread's local DG steps on the block; applies block correction between
     steps once the comm thread's patch has landed. Returns the block's base, whether it was
     corrected, per-step metrics and the compute interval (wall clock)."""
@@ -203,8 +233,14 @@ def _correct(adapter: AdapterModel, new_global: Tensors, base: Tensors, names: l
     return new_base
 
 
-def _report(uploaded: Pending | None, comm: CommResult, timing: Timing, metrics: list[dict],
-            staleness: int, synced: int) -> TrainReport:
+def _report(
+    uploaded: Pending | None,
+    comm: CommResult,
+    timing: Timing,
+    metrics: list[dict],
+    staleness: int,
+    synced: int,
+) -> TrainReport:
     def mean(key: str) -> float:
         values = [m[key] for m in metrics if key in m]
         return float(np.mean(values)) if values else 0.0
@@ -215,7 +251,15 @@ def _report(uploaded: Pending | None, comm: CommResult, timing: Timing, metrics:
         upload_base_version=uploaded.base_version if uploaded else -1,
         upload_samples=uploaded.samples if uploaded else 0,
         synced_version=synced,
-        reward=mean("reward"), loss=mean("loss"), gate_mean=mean("gate_mean"), steps=len(metrics),
-        compute_s=timing.compute_s, comm_s=timing.comm_s, overlap_s=timing.overlap_s, duration_s=timing.duration_s,
-        bytes_up=comm.bytes_up, bytes_down=comm.bytes_down, staleness=staleness,
+        reward=mean("reward"),
+        loss=mean("loss"),
+        gate_mean=mean("gate_mean"),
+        steps=len(metrics),
+        compute_s=timing.compute_s,
+        comm_s=timing.comm_s,
+        overlap_s=timing.overlap_s,
+        duration_s=timing.duration_s,
+        bytes_up=comm.bytes_up,
+        bytes_down=comm.bytes_down,
+        staleness=staleness,
     )

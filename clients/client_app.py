@@ -28,9 +28,16 @@ def load_state(state: RecordDict) -> ClientState:
     arrays = state.array_records
     pending = None
     if meta["pending_block"] != NO_UPLOAD:
-        pending = Pending(int(meta["pending_block"]), int(meta["pending_base_version"]),
-                          _tensors(arrays["pending_base"]), _tensors(arrays["pending_new"]), int(meta["pending_samples"]))
-    return ClientState(_tensors(arrays["local"]), _tensors(arrays["held"]), int(meta["held_version"]), pending)
+        pending = Pending(
+            int(meta["pending_block"]),
+            int(meta["pending_base_version"]),
+            _tensors(arrays["pending_base"]),
+            _tensors(arrays["pending_new"]),
+            int(meta["pending_samples"]),
+        )
+    return ClientState(
+        _tensors(arrays["local"]), _tensors(arrays["held"]), int(meta["held_version"]), pending
+    )
 
 
 def save_state(state: RecordDict, s: ClientState) -> None:
@@ -41,10 +48,14 @@ def save_state(state: RecordDict, s: ClientState) -> None:
     state["held"] = ArrayRecord(s.held)
     if p is not None:
         state["pending_base"], state["pending_new"] = ArrayRecord(p.base), ArrayRecord(p.new)
-    state["meta"] = ConfigRecord({
-        "held_version": int(s.held_version), "pending_block": p.block if p else NO_UPLOAD,
-        "pending_base_version": p.base_version if p else -1, "pending_samples": p.samples if p else 0,
-    })
+    state["meta"] = ConfigRecord(
+        {
+            "held_version": int(s.held_version),
+            "pending_block": p.block if p else NO_UPLOAD,
+            "pending_base_version": p.base_version if p else -1,
+            "pending_samples": p.samples if p else 0,
+        }
+    )
 
 
 def make_client_app(mods: list | None = None, models: ModelCache | None = None) -> ClientApp:

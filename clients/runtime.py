@@ -59,12 +59,23 @@ class Runtime:
         """Whether the comm thread's result is available to compute after `steps_done` steps."""
         return comm.done.is_set()
 
-    def timing(self, overlapped: bool, compute: tuple[float, float], steps: int, before: CommResult,
-               after: CommResult | None, start: float) -> Timing:
+    def timing(
+        self,
+        overlapped: bool,
+        compute: tuple[float, float],
+        steps: int,
+        before: CommResult,
+        after: CommResult | None,
+        start: float,
+    ) -> Timing:
         """The round's timing: measured on the wall clock."""
         intervals = before.intervals + (after.intervals if after else [])
-        return Timing(compute[1] - compute[0], sum(end - begin for begin, end in intervals),
-                      sum(overlap_seconds(compute, iv) for iv in intervals), time.perf_counter() - start)
+        return Timing(
+            compute[1] - compute[0],
+            sum(end - begin for begin, end in intervals),
+            sum(overlap_seconds(compute, iv) for iv in intervals),
+            time.perf_counter() - start,
+        )
 
     def perturb_rollouts(self, batch, lm, task, rng) -> None:
         """The actor's own faults, before scoring (none on an honest client)."""
@@ -73,7 +84,8 @@ class Runtime:
         """Faults of the reward signal (none on an honest client)."""
 
 
-_current: ContextVar[Runtime] = ContextVar("fedrl_client_runtime", default=Runtime())
+REAL_WORLD = Runtime()  # stateless: one instance serves every message
+_current: ContextVar[Runtime] = ContextVar("fedrl_client_runtime", default=REAL_WORLD)  # noqa: B039
 
 
 def current_runtime() -> Runtime:

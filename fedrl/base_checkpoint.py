@@ -36,7 +36,9 @@ class BaseRecipe:
         return hashlib.sha256((json.dumps(asdict(self), sort_keys=True) + arch).encode()).hexdigest()[:12]
 
 
-def supervised_batch(recipe: BaseRecipe, rng: np.random.Generator, tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def supervised_batch(
+    recipe: BaseRecipe, rng: np.random.Generator, tokenizer
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded <bos> x <sep> reverse(x) <eos> rows; loss only on the answer and <eos>."""
     rows, prompt_lens = [], []
     for _ in range(recipe.batch_size):

@@ -7,7 +7,7 @@ aggregate per block. Names are the adapter's parameter names as `named_parameter
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -35,7 +35,9 @@ class BlockPartition:
             raise ValueError("the model has no LoRA parameters; wrap it with fedrl.lora.add_lora first")
         num_layers = max(layer_index(n) for n in names) + 1
         if not 1 <= num_blocks <= num_layers:
-            raise ValueError(f"num_blocks must be in [1, {num_layers}] (one block needs at least one layer), got {num_blocks}")
+            raise ValueError(
+                f"num_blocks must be in [1, {num_layers}] (a block has at least one layer), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self.blocks: list[list[str]] = [[] for _ in range(num_blocks)]
         for name in names:
@@ -66,7 +68,9 @@ class BlockPartition:
         expected = set(self.names(block))
         if set(tensors) != expected:
             missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-            raise ValueError(f"block {block} tensors do not match: missing {missing[:3]}, unexpected {extra[:3]}")
+            raise ValueError(
+                f"block {block} tensors do not match: missing {missing[:3]}, unexpected {extra[:3]}"
+            )
         self._assign(model, tensors)
 
     def set_all(self, model, tensors: Mapping[str, torch.Tensor]) -> None:

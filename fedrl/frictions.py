@@ -76,7 +76,9 @@ def inject_discoveries(batch: Rollouts, lm: LoadedModel, actor_model, prob: floa
     if len(rows):
         idx = torch.as_tensor(rows)
         with torch.no_grad():
-            true_logp = token_logprobs(actor_model, batch.input_ids[idx], batch.attention_mask[idx], batch.allowed)
+            true_logp = token_logprobs(
+                actor_model, batch.input_ids[idx], batch.attention_mask[idx], batch.allowed
+            )
         batch.behaviour_logp[idx] = true_logp * batch.answer_mask[idx]
     return rows
 
@@ -84,7 +86,9 @@ def inject_discoveries(batch: Rollouts, lm: LoadedModel, actor_model, prob: floa
 def corrupt_rewards(rewards: torch.Tensor, prob: float, rng) -> np.ndarray:
     """With prob `prob` a reward is replaced by a fair coin flip in {0, 1}."""
     rows = pick_rows(len(rewards), prob, rng)
-    rewards[torch.as_tensor(rows, dtype=torch.long)] = torch.as_tensor(rng.integers(0, 2, len(rows)), dtype=rewards.dtype)
+    rewards[torch.as_tensor(rows, dtype=torch.long)] = torch.as_tensor(
+        rng.integers(0, 2, len(rows)), dtype=rewards.dtype
+    )
     return rows
 
 
@@ -117,12 +121,19 @@ class Actor:
         version, params = self.buffer.get(self.buffer.sample_age(self.rng))
         self.lm.model.load_state_dict(params, strict=False)
         batch = rollout(
-            self.lm, self.task, problems, samples_per_prompt,
-            generator=self.generator, logit_hook=logit_noise_hook(f.logit_noise, self.generator), version=version,
+            self.lm,
+            self.task,
+            problems,
+            samples_per_prompt,
+            generator=self.generator,
+            logit_hook=logit_noise_hook(f.logit_noise, self.generator),
+            version=version,
         )
         self.counts["rows"] += len(batch.answers)
         self.counts["bugs"] += len(inject_bugs(batch, self.lm, self.landmine, f.bug_prob, self.rng))
-        self.counts["discoveries"] += len(inject_discoveries(batch, self.lm, self.lm.model, f.discovery_prob, self.rng))
+        self.counts["discoveries"] += len(
+            inject_discoveries(batch, self.lm, self.lm.model, f.discovery_prob, self.rng)
+        )
         score(self.task, batch)
         self.counts["noisy_rewards"] += len(corrupt_rewards(batch.rewards, f.reward_noise_prob, self.rng))
         return batch

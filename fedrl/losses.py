@@ -31,7 +31,9 @@ def grouped_advantage(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tenso
     return rewards - (sums / counts)[inverse]
 
 
-def delight_gate(advantage: torch.Tensor, surprisal: torch.Tensor, eta: float = 1.0, lam: float = 0.0) -> torch.Tensor:
+def delight_gate(
+    advantage: torch.Tensor, surprisal: torch.Tensor, eta: float = 1.0, lam: float = 0.0
+) -> torch.Tensor:
     """w = sigmoid((U * surprisal - lam) / eta), detached; eta = 0 is the hard gate 1[chi > lam]."""
     chi = (advantage * surprisal).detach()
     if eta == 0:

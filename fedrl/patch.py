@@ -22,8 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 import torch
@@ -114,7 +114,13 @@ def to_bits(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().view(int_dtype).reshape(-1).numpy().view(np_dtype)
 
 
-_NUMPY_OF = {torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+_NUMPY_OF = {
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+}
 
 
 def from_bits(bits: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -285,7 +291,9 @@ def encode_patch(
         if name in base:
             b = base[name]
             if b.dtype != t.dtype or b.shape != t.shape:
-                raise TensorMismatch(f"{name}: base {b.dtype}{tuple(b.shape)} vs new {t.dtype}{tuple(t.shape)}")
+                raise TensorMismatch(
+                    f"{name}: base {b.dtype}{tuple(b.shape)} vs new {t.dtype}{tuple(t.shape)}"
+                )
             base_bits = to_bits(b)
             idx = np.flatnonzero(base_bits != new_bits)
             if idx.size == 0:
@@ -294,10 +302,22 @@ def encode_patch(
             small, width, large = encode_indices(idx)
             kind, vwidth, values = encode_values(base_bits[idx], new_bits[idx])
             if len(small) + len(large) + len(values) < new_bits.nbytes:
-                entries.append({**entry, "mode": kind, "count": int(idx.size), "index_width": width,
-                                "index": add(small), "escapes": add(large), "value_width": vwidth, "values": add(values)})
+                entries.append(
+                    {
+                        **entry,
+                        "mode": kind,
+                        "count": int(idx.size),
+                        "index_width": width,
+                        "index": add(small),
+                        "escapes": add(large),
+                        "value_width": vwidth,
+                        "values": add(values),
+                    }
+                )
                 continue
-        entries.append({**entry, "mode": "dense", "count": int(new_bits.size), "values": add(new_bits.tobytes())})
+        entries.append(
+            {**entry, "mode": "dense", "count": int(new_bits.size), "values": add(new_bits.tobytes())}
+        )
 
     header = {
         "format": FORMAT_VERSION,
@@ -338,7 +358,9 @@ def _open(patch: bytes, limits: PatchLimits) -> tuple[PatchHeader, memoryview]:
     if declared < 0:
         raise CorruptPatch("patch body does not declare its size")
     if declared > limits.max_body_bytes:
-        raise PatchTooLarge(f"patch body would decompress to {declared} bytes (limit {limits.max_body_bytes})")
+        raise PatchTooLarge(
+            f"patch body would decompress to {declared} bytes (limit {limits.max_body_bytes})"
+        )
     try:
         body = zstandard.ZstdDecompressor().decompress(frame, max_output_size=declared)
     except zstandard.ZstdError as err:
@@ -396,7 +418,9 @@ def _check_header(raw) -> PatchHeader:
     names = [e["name"] for e in raw["tensors"]]
     if len(set(names)) != len(names):
         raise CorruptPatch("a tensor appears twice in the patch")
-    return PatchHeader(raw["base_version"], raw["base_hash"], raw["target_version"], raw["target_hash"], raw["tensors"])
+    return PatchHeader(
+        raw["base_version"], raw["base_hash"], raw["target_version"], raw["target_hash"], raw["tensors"]
+    )
 
 
 def read_header(patch: bytes, limits: PatchLimits = PatchLimits()) -> PatchHeader:
@@ -435,7 +459,9 @@ def apply_patch(
     if not header.is_anchor:
         held = base_hash or state_hash(base)
         if held != header.base_hash:
-            raise BaseMismatch(f"patch is for base {header.base_hash[:12]} (v{header.base_version}), held state is {held[:12]}")
+            raise BaseMismatch(
+                f"patch is for base {header.base_hash[:12]} (v{header.base_version}), held {held[:12]}"
+            )
     names = [e["name"] for e in header.tensors]
     if not header.is_anchor and set(names) != set(base):
         raise TensorMismatch(f"patch names other tensors than the base: {sorted(set(names) ^ set(base))[:3]}")
@@ -445,12 +471,20 @@ def apply_patch(
     if cursor.pos != len(sections):
         raise CorruptPatch(f"{len(sections) - cursor.pos} bytes of the body belong to no tensor")
     if state_hash(out) != header.target_hash:
-        raise TargetMismatch(f"reconstructed state does not hash to v{header.target_version}'s {header.target_hash[:12]}")
+        raise TargetMismatch(
+            f"reconstructed state does not hash to v{header.target_version}'s {header.target_hash[:12]}"
+        )
     return out
 
 
 def _decode_tensor(e: dict, base, sections: _Sections, anchor: bool) -> torch.Tensor:
-    name, dtype, shape, mode, count = e["name"], _DTYPE_NAMES[e["dtype"]], tuple(e["shape"]), e["mode"], e["count"]
+    name, dtype, shape, mode, count = (
+        e["name"],
+        _DTYPE_NAMES[e["dtype"]],
+        tuple(e["shape"]),
+        e["mode"],
+        e["count"],
+    )
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if not 0 <= count <= numel:
         raise CorruptPatch(f"{name}: count {count} outside [0, {numel}]")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import collections
 import heapq
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 
@@ -122,12 +122,20 @@ class PatchPublisher:
         if self.latest_version is not None:
             prev_version = self.latest_version
             prev, prev_hash = self.recent[prev_version]
-            out.append((prev_version, version, encode_patch(prev, state, prev_version, version, self.level, prev_hash, digest)))
+            out.append(
+                (
+                    prev_version,
+                    version,
+                    encode_patch(prev, state, prev_version, version, self.level, prev_hash, digest),
+                )
+            )
         if not self.anchors or version % self.anchor_every == 0:
             self.anchors[version] = (state, digest)
             for old in sorted(self.anchors)[: -self.keep_anchors]:
                 del self.anchors[old]
-            out.append((None, version, encode_patch(None, state, None, version, self.level, target_hash=digest)))
+            out.append(
+                (None, version, encode_patch(None, state, None, version, self.level, target_hash=digest))
+            )
         self.recent[version] = (state, digest)
         while len(self.recent) > self.keep_recent:
             self.recent.popitem(last=False)
@@ -139,7 +147,8 @@ class PatchPublisher:
         return kept[0] if kept else None
 
     def skip_patch(self, from_version: int) -> bytes:
-        """A patch straight from a retained `from_version` to the latest (a returning client's one download)."""
+        """A patch straight from a retained `from_version` to the latest (a returning client's
+        one download)."""
         base = self.recent.get(from_version) or self.anchors.get(from_version)
         if base is None:
             raise KeyError(f"version {from_version} is no longer retained")

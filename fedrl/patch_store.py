@@ -55,7 +55,9 @@ def _digest(request: web.Request) -> str:
 def _principal(request: web.Request, state: StoreState, admin: bool = False) -> str:
     auth, principal = request.headers.get("Authorization", ""), request.headers.get("X-Principal", "")
     if not auth.startswith("Bearer ") or not principal:
-        raise web.HTTPUnauthorized(text="missing credential: send Authorization: Bearer <token> and X-Principal")
+        raise web.HTTPUnauthorized(
+            text="missing credential: send Authorization: Bearer <token> and X-Principal"
+        )
     if not check_token(state.secret, principal, auth.removeprefix("Bearer ")):
         raise web.HTTPForbidden(text=f"credential does not verify for {principal!r}")
     if admin and principal != ADMIN:
@@ -75,7 +77,9 @@ def make_app(state: StoreState) -> web.Application:
         digest = _digest(request)
         principal = _principal(request, state)
         if request.content_length is not None and request.content_length > state.max_object_bytes:
-            raise web.HTTPRequestEntityTooLarge(max_size=state.max_object_bytes, actual_size=request.content_length)
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=state.max_object_bytes, actual_size=request.content_length
+            )
         body = await request.read()  # bounded by client_max_size
         if hashlib.sha256(body).hexdigest() != digest:
             raise web.HTTPBadRequest(text="body does not hash to the object name")
@@ -109,7 +113,9 @@ def make_app(state: StoreState) -> web.Application:
         if obj is not None and "principal" in request.query:
             obj.uploaders.discard(request.query["principal"])
         published = any(r["key"] == digest for r in state.catalog["refs"])
-        deleted = obj is not None and not published and ("principal" not in request.query or not obj.uploaders)
+        deleted = (
+            obj is not None and not published and ("principal" not in request.query or not obj.uploaders)
+        )
         if deleted:
             del state.objects[digest]
         return web.json_response({"deleted": deleted})
@@ -125,7 +131,9 @@ def make_app(state: StoreState) -> web.Application:
             catalog = await request.json()
             refs = catalog["refs"]
             ok = isinstance(refs, list) and all(
-                isinstance(r, dict) and r.get("key") in state.objects and isinstance(r.get("target_version"), int)
+                isinstance(r, dict)
+                and r.get("key") in state.objects
+                and isinstance(r.get("target_version"), int)
                 for r in refs
             )
         except (ValueError, KeyError, TypeError):
@@ -136,7 +144,11 @@ def make_app(state: StoreState) -> web.Application:
         for ref in state.catalog["refs"]:
             if ref["key"] not in live:
                 state.objects.pop(ref["key"], None)
-        state.catalog = {"latest": catalog.get("latest"), "refs": refs, "public_key": catalog.get("public_key")}
+        state.catalog = {
+            "latest": catalog.get("latest"),
+            "refs": refs,
+            "public_key": catalog.get("public_key"),
+        }
         return web.json_response({"refs": len(refs)})
 
     app = web.Application(client_max_size=state.max_object_bytes)
@@ -155,7 +167,9 @@ def ssl_context(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | N
 class PatchStoreServer:
     """Runs the store on its own event loop in a background thread (inside the ServerApp)."""
 
-    def __init__(self, state: StoreState, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None):
+    def __init__(
+        self, state: StoreState, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None
+    ):
         self.state, self.host, self.port, self.tls = state, host, port, tls
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -167,17 +181,19 @@ class PatchStoreServer:
     def url(self) -> str:
         return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
-    def start(self) -> "PatchStoreServer":
+    def start(self) -> PatchStoreServer:
         """Listen, or raise at once with the reason (a busy port, say); nothing is left running."""
         self._thread.start()
         if not self._ready.wait(30):
             raise RuntimeError(f"patch store on {self.host}:{self.port} did not start within 30 s")
         if self._error is not None:
             self._thread.join()
-            raise OSError(f"patch store could not listen on {self.host}:{self.port}: {self._error}") from self._error
+            raise OSError(
+                f"patch store could not listen on {self.host}:{self.port}: {self._error}"
+            ) from self._error
         return self
 
-    def __enter__(self) -> "PatchStoreServer":
+    def __enter__(self) -> PatchStoreServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -216,8 +232,14 @@ class PatchStoreServer:
         self._thread.join(10)
 
 
-def serve(host: str, port: int, secret: bytes, certfile: str | None = None, keyfile: str | None = None,
-          max_object_bytes: int = 256 << 20) -> None:
+def serve(
+    host: str,
+    port: int,
+    secret: bytes,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    max_object_bytes: int = 256 << 20,
+) -> None:
     """`fedrl patch-store`: the store as its own service (deployments)."""
     state = StoreState(secret, max_object_bytes=max_object_bytes)
     print(json.dumps({"patch_store": f"{'https' if certfile else 'http'}://{host}:{port}"}), flush=True)

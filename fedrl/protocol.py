@@ -61,7 +61,9 @@ class TrainInstruction(Schema):
         if min(self.num_blocks, self.prompts, self.samples, self.data_shards) < 1:
             raise ValueError("num_blocks, prompts, samples and data_shards must be >= 1")
         if not -1 <= self.block < self.num_blocks or (self.block == -1) != (self.mode == "fedavg-lora"):
-            raise ValueError(f"block {self.block} does not fit mode {self.mode} with {self.num_blocks} blocks")
+            raise ValueError(
+                f"block {self.block} does not fit mode {self.mode} with {self.num_blocks} blocks"
+            )
         check_json(self.task_params, "task_params")
         return self
 
@@ -99,4 +101,3 @@ class TrainReport(Schema):
             if not 0 <= value < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         return self
-

@@ -6,8 +6,8 @@ right-padded after <eos>. The learner later recomputes log-probs on the same ten
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -33,7 +33,9 @@ class Rollouts:
     allowed: torch.Tensor | None = None  # (V,) the answer vocabulary under constrained decoding
     rewards: torch.Tensor | None = None  # (B,) filled by `score`
 
-    def overwrite_answer(self, row: int, token_ids: Sequence[int], text: str, logp: torch.Tensor | float) -> None:
+    def overwrite_answer(
+        self, row: int, token_ids: Sequence[int], text: str, logp: torch.Tensor | float
+    ) -> None:
         """Replace one row's answer (truncated to the answer columns); `logp` is what the actor reports."""
         width = self.input_ids.shape[1] - self.answer_start
         tokens = torch.as_tensor(list(token_ids)[:width], dtype=torch.long)
@@ -112,7 +114,13 @@ def sample_tokens(
             break
         mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype)], dim=1)
         pos = (mask.sum(-1, keepdim=True) - 1).long()
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True)
+        out = model(
+            input_ids=tok[:, None],
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=past,
+            use_cache=True,
+        )
         past, logits = out.past_key_values, out.logits[:, -1, :]
     return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(alive_cols, 1).long()
 
@@ -133,8 +141,16 @@ def rollout(
     prompt_ids, prompt_mask = left_pad([lm.prompt_ids(p.prompt, task.chat) for p in rows], lm.pad_token_id)
     allowed = answer_vocab(lm, task)
     answer, logp, answer_mask = sample_tokens(
-        lm.model, prompt_ids, prompt_mask, task.max_answer_tokens, lm.eos_token_id, lm.pad_token_id,
-        greedy=greedy, generator=generator, logit_hook=logit_hook, allowed=allowed,
+        lm.model,
+        prompt_ids,
+        prompt_mask,
+        task.max_answer_tokens,
+        lm.eos_token_id,
+        lm.pad_token_id,
+        greedy=greedy,
+        generator=generator,
+        logit_hook=logit_hook,
+        allowed=allowed,
     )
     width = prompt_ids.shape[1]
     input_ids = torch.cat([prompt_ids, answer], 1)
@@ -168,7 +184,9 @@ def answer_vocab(lm: LoadedModel, task: Task) -> torch.Tensor | None:
 
 
 def score(task: Task, batch: Rollouts) -> Rollouts:
-    batch.rewards = torch.tensor([task.reward(p, a) for p, a in zip(batch.problems, batch.answers)], dtype=torch.float32)
+    batch.rewards = torch.tensor(
+        [task.reward(p, a) for p, a in zip(batch.problems, batch.answers)], dtype=torch.float32
+    )
     return batch
 
 
@@ -177,15 +195,23 @@ def token_logprobs(
 ) -> torch.Tensor:
     """log pi(token_t | tokens_<t) for t >= 1 (column 0 is 0); differentiable. With `allowed`,
     the distribution is the one constrained decoding samples from (use it for answer tokens)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
-    logp = torch.log_softmax(restrict(logits[:, :-1].float(), allowed), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)
+    ).logits
+    logp = (
+        torch.log_softmax(restrict(logits[:, :-1].float(), allowed), dim=-1)
+        .gather(-1, input_ids[:, 1:, None])
+        .squeeze(-1)
+    )
     if allowed is not None:  # prompt tokens lie outside the answer vocabulary; they are never scored
         logp = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
     return torch.cat([torch.zeros_like(logp[:, :1]), logp], 1)
 
 
 @torch.no_grad()
-def greedy_error(lm: LoadedModel, task: Task, problems: Sequence[Problem] | None = None, batch_size: int = 256) -> float:
+def greedy_error(
+    lm: LoadedModel, task: Task, problems: Sequence[Problem] | None = None, batch_size: int = 256
+) -> float:
     """Held-out metric: fraction of problems whose greedy answer is wrong."""
     problems = list(task.eval_problems() if problems is None else problems)
     wrong = 0
@@ -194,4 +220,3 @@ def greedy_error(lm: LoadedModel, task: Task, problems: Sequence[Problem] | None
         batch = rollout(lm, task, chunk, greedy=True)
         wrong += sum(not task.is_correct(p, a) for p, a in zip(chunk, batch.answers))
     return wrong / max(len(problems), 1)
-

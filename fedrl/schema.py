@@ -7,7 +7,8 @@ bad field, so a wrong type anywhere is a clear error, never a traceback.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -31,7 +32,9 @@ class Schema(BaseModel):
     @classmethod
     def parse(cls, data: Mapping[str, Any], what: str | None = None):
         if not isinstance(data, Mapping):
-            raise SchemaError(f"{what or cls.__name__}: expected a table of fields, got {type(data).__name__}")
+            raise SchemaError(
+                f"{what or cls.__name__}: expected a table of fields, got {type(data).__name__}"
+            )
         try:
             return cls.model_validate(dict(data))
         except ValidationError as err:

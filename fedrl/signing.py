@@ -45,8 +45,11 @@ def verify_signed_patch(data: bytes, public_key: Ed25519PublicKey) -> bytes:
 
 def save_private_key(key: Ed25519PrivateKey, path: str | Path) -> None:
     path = Path(path)
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     path.chmod(0o600)
 
 
@@ -58,7 +61,9 @@ def load_private_key(path: str | Path) -> Ed25519PrivateKey:
 
 
 def public_key_pem(key: Ed25519PrivateKey) -> bytes:
-    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
 
 
 def load_public_key(pem: bytes) -> Ed25519PublicKey:

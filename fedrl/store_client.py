@@ -6,7 +6,8 @@ import asyncio
 import hashlib
 import ssl
 import threading
-from typing import Any, Coroutine
+from collections.abc import Coroutine
+from typing import Any
 
 import aiohttp
 
@@ -20,8 +21,15 @@ class StoreError(OSError):
 class PatchStoreClient:
     """Use inside one event loop: `async with PatchStoreClient(...) as c: await c.get(key)`."""
 
-    def __init__(self, url: str, principal: str, token: str, link: Link | None = None,
-                 ca_file: str | None = None, timeout_s: float = 300.0):
+    def __init__(
+        self,
+        url: str,
+        principal: str,
+        token: str,
+        link: Link | None = None,
+        ca_file: str | None = None,
+        timeout_s: float = 300.0,
+    ):
         self.url, self.principal, self.token = url.rstrip("/"), principal, token
         self.link = link or Link()
         self.ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
@@ -29,8 +37,10 @@ class PatchStoreClient:
         self.session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self):
-        self.session = aiohttp.ClientSession(timeout=self.timeout, headers={
-            "Authorization": f"Bearer {self.token}", "X-Principal": self.principal})
+        self.session = aiohttp.ClientSession(
+            timeout=self.timeout,
+            headers={"Authorization": f"Bearer {self.token}", "X-Principal": self.principal},
+        )
         return self
 
     async def __aexit__(self, *exc):
@@ -51,8 +61,12 @@ class PatchStoreClient:
                 yield chunk
 
         try:
-            async with self.session.put(f"{self.url}/objects/{digest}", data=body(), ssl=self.ssl,
-                                        headers={"Content-Length": str(len(data))}) as resp:
+            async with self.session.put(
+                f"{self.url}/objects/{digest}",
+                data=body(),
+                ssl=self.ssl,
+                headers={"Content-Length": str(len(data))},
+            ) as resp:
                 await self._check(resp, f"upload {digest[:12]}")
         except aiohttp.ClientError as err:
             raise StoreError(f"upload {digest[:12]}: {err}") from None
@@ -126,11 +140,14 @@ class BlockingStoreClient:
 
 
 def put_signed_patches(admin: BlockingStoreClient, patches, signing_key) -> list[dict]:
-    """Store (base_version, target_version, patch) triples signed by `signing_key`; returns their catalog refs."""
+    """Store (base_version, target_version, patch) triples signed by `signing_key`; returns
+    their catalog refs."""
     from fedrl.signing import sign_patch
 
     refs = []
     for base, target, data in patches:
         signed = sign_patch(data, signing_key)
-        refs.append({"base_version": base, "target_version": target, "size": len(signed), "key": admin.put(signed)})
+        refs.append(
+            {"base_version": base, "target_version": target, "size": len(signed), "key": admin.put(signed)}
+        )
     return refs

@@ -30,7 +30,9 @@ class CharTokenizer:
         try:
             return [self._ids[c] for c in text]
         except KeyError as err:
-            raise ValueError(f"symbol {err.args[0]!r} is not in the tokenizer's alphabet {self.alphabet!r}") from None
+            raise ValueError(
+                f"symbol {err.args[0]!r} is not in the tokenizer's alphabet {self.alphabet!r}"
+            ) from None
 
     def decode(self, ids) -> str:
         """Symbols up to the first <eos>; other special tokens are dropped."""
@@ -51,5 +53,5 @@ class CharTokenizer:
         Path(directory, "fedrl_tokenizer.json").write_text(json.dumps({"alphabet": self.alphabet}))
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> "CharTokenizer":
+    def from_pretrained(cls, directory: str | Path) -> CharTokenizer:
         return cls(json.loads(Path(directory, "fedrl_tokenizer.json").read_text())["alphabet"])

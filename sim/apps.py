@@ -20,8 +20,9 @@ from fedrl.strategies.run_config import RunConfig
 client_app = make_client_app(mods=[simulated_client])
 
 
-def make_server_app(cfg: RunConfig | None = None, sim: SimConfig | None = None, progress=None,
-                    results: list | None = None) -> ServerApp:
+def make_server_app(
+    cfg: RunConfig | None = None, sim: SimConfig | None = None, progress=None, results: list | None = None
+) -> ServerApp:
     """Bound to `cfg` and `sim` (`fedrl sim`), or reading Flower's run config (`flwr run`),
     in which case it also writes the report."""
     app = ServerApp()

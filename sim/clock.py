@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
-def round_seconds(overlapped: bool, compute_s: float, comm_before_s: float, comm_after_s: float) -> tuple[float, float]:
+def round_seconds(
+    overlapped: bool, compute_s: float, comm_before_s: float, comm_after_s: float
+) -> tuple[float, float]:
     """(duration, overlap) of one client round: overlapped, the comm thread's work before
     the delta is ready runs beside compute; sequential, everything runs one after another."""
     if overlapped:
@@ -28,7 +31,9 @@ class VirtualClock:
     virtual = True
 
     def __init__(self, lookahead: Callable[[Any], float]):
-        self.lookahead = lookahead  # instruction -> the earliest its reply can arrive, in seconds after sending
+        self.lookahead = (
+            lookahead  # instruction -> the earliest its reply can arrive, in seconds after sending
+        )
         self.t = 0.0
         self.out: dict[str, tuple[float, float]] = {}  # msg_id -> (sent at, earliest arrival)
         self.heap: list[tuple[float, int, str, Any]] = []

@@ -21,8 +21,13 @@ from flwr.supercore.task_identity import TaskIdentity
 class LocalGrid(Grid):
     def __init__(self, num_nodes: int, client_app):
         self.contexts = {
-            i + 1: Context(run_id=1, node_id=i + 1, node_config={"partition-id": i, "num-partitions": num_nodes},
-                           state=RecordDict(), run_config={})
+            i + 1: Context(
+                run_id=1,
+                node_id=i + 1,
+                node_config={"partition-id": i, "num-partitions": num_nodes},
+                state=RecordDict(),
+                run_config={},
+            )
             for i in range(num_nodes)
         }
         self.client_app = client_app

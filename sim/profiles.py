@@ -27,8 +27,9 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 from pydantic import model_validator
@@ -69,7 +70,7 @@ class ClientProfile(Schema):
         return self
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "ClientProfile":
+    def from_mapping(cls, values: Mapping[str, Any]) -> ClientProfile:
         try:
             return cls.parse(values, "profile")
         except SchemaError as err:
@@ -82,7 +83,9 @@ class ClientProfile(Schema):
     def link(self) -> LinkProfile:
         return LinkProfile(self.up_bytes_s, self.down_bytes_s, self.latency_s, self.loss)
 
-    def offline_reason(self, client_id: int, start_s: float, duration_s: float, rng: np.random.Generator) -> str:
+    def offline_reason(
+        self, client_id: int, start_s: float, duration_s: float, rng: np.random.Generator
+    ) -> str:
         """Why a round over [start_s, start_s + duration_s] on the run's clock is lost, or ""."""
         if self.offline_s > 0 and math.isfinite(self.online_s):
             period = self.online_s + self.offline_s
@@ -98,12 +101,32 @@ class ClientProfile(Schema):
 # Named mixes: archetypes with ranges; a mix of n clients spreads each archetype's clients
 # evenly (log-spaced) over its ranges, so even small mixes show the whole spread.
 ARCHETYPES = {
-    "datacenter": dict(speed=(1.0, 2.0), up_bytes_s=(50e6, 125e6), down_bytes_s=(50e6, 125e6),
-                       latency_s=(0.001, 0.005), loss=0.0, dropout=0.0),
-    "home-broadband": dict(speed=(0.3, 1.0), up_bytes_s=(1e6, 5e6), down_bytes_s=(6e6, 50e6),
-                           latency_s=(0.02, 0.06), loss=0.001, dropout=0.05),
-    "mobile": dict(speed=(0.05, 0.2), up_bytes_s=(1e5, 1e6), down_bytes_s=(5e5, 5e6), latency_s=(0.05, 0.15),
-                   loss=0.01, dropout=0.2, online_s=1800.0, offline_s=600.0),
+    "datacenter": dict(
+        speed=(1.0, 2.0),
+        up_bytes_s=(50e6, 125e6),
+        down_bytes_s=(50e6, 125e6),
+        latency_s=(0.001, 0.005),
+        loss=0.0,
+        dropout=0.0,
+    ),
+    "home-broadband": dict(
+        speed=(0.3, 1.0),
+        up_bytes_s=(1e6, 5e6),
+        down_bytes_s=(6e6, 50e6),
+        latency_s=(0.02, 0.06),
+        loss=0.001,
+        dropout=0.05,
+    ),
+    "mobile": dict(
+        speed=(0.05, 0.2),
+        up_bytes_s=(1e5, 1e6),
+        down_bytes_s=(5e5, 5e6),
+        latency_s=(0.05, 0.15),
+        loss=0.01,
+        dropout=0.2,
+        online_s=1800.0,
+        offline_s=600.0,
+    ),
 }
 MIXES = {
     "datacenter": {"datacenter": 1.0},

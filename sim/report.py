@@ -36,7 +36,9 @@ def write_report(summary: dict, out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     evals = summary["evals"]
-    ax.plot([e["t"] for e in evals], [e["error"] for e in evals], "o-", color="C0", label="held-out greedy error")
+    ax.plot(
+        [e["t"] for e in evals], [e["error"] for e in evals], "o-", color="C0", label="held-out greedy error"
+    )
     if replies:
         t = np.array([e["t"] for e in replies])
         r = np.array([e["reward"] for e in replies])
@@ -45,7 +47,9 @@ def write_report(summary: dict, out: Path) -> list[Path]:
         ax.plot(t[window - 1 :], smooth, color="C1", label="client train reward (moving mean)")
     ax.set_xlabel(xlabel)
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{summary['config']['mode']}: error {summary['initial_eval']:.3f} -> {summary['final_eval']:.3f}")
+    ax.set_title(
+        f"{summary['config']['mode']}: error {summary['initial_eval']:.3f} -> {summary['final_eval']:.3f}"
+    )
     ax.legend()
     save(fig, "metric_vs_time.png")
 
@@ -65,21 +69,29 @@ def write_report(summary: dict, out: Path) -> list[Path]:
         ax.hist(staleness, bins=np.arange(max(staleness) + 2) - 0.5, color="C2", rwidth=0.85)
     ax.set_xlabel("staleness of accepted updates (versions)")
     ax.set_ylabel("updates")
-    ax.set_title(f"{len(staleness)} accepted, {summary['counts']['rejected']} rejected, "
-                 f"{summary['counts']['errors']} lost (errors, dropouts, deadlines)")
+    ax.set_title(
+        f"{len(staleness)} accepted, {summary['counts']['rejected']} rejected, "
+        f"{summary['counts']['errors']} lost (errors, dropouts, deadlines)"
+    )
     save(fig, "staleness_histogram.png")
 
     clients = summary["clients"]
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(clients) + 1.5))
-    for row, (node, c) in enumerate(sorted(clients.items(), key=lambda kv: int(kv[0]))):
+    for row, (_, c) in enumerate(sorted(clients.items(), key=lambda kv: int(kv[0]))):
         for m in c["timeline"]:
             start = m["end"] - m["duration_s"]
             # overlapped rounds start both threads together; sequential ones are drawn comm first
             compute_start = start if m["overlap_s"] > 0 else start + m["comm_s"]
             ax.barh(row - 0.18, m["compute_s"], left=compute_start, height=0.32, color="C0")
             ax.barh(row + 0.18, m["comm_s"], left=start, height=0.32, color="C1")
-    ax.set_yticks(range(len(clients)), [f"{i} {c.get('profile', '')}" for i, c in enumerate(
-        c for _, c in sorted(clients.items(), key=lambda kv: int(kv[0])))], fontsize=7 if len(clients) > 20 else 9)
+    ax.set_yticks(
+        range(len(clients)),
+        [
+            f"{i} {c.get('profile', '')}"
+            for i, c in enumerate(c for _, c in sorted(clients.items(), key=lambda kv: int(kv[0])))
+        ],
+        fontsize=7 if len(clients) > 20 else 9,
+    )
     ax.set_xlabel(f"{xlabel}  (blue: compute, orange: communication)")
     ax.set_title("per-client timeline: overlapping bars are parallel compute and communication")
     save(fig, "client_timeline.png")
@@ -106,12 +118,16 @@ def write_html(summary: dict, out: Path, images: list[str]) -> Path:
         f"<tr><td>{i}</td><td>{html.escape(c.get('profile', ''))}</td><td>{c['messages']}</td>"
         f"<td>{c['compute_s']:.1f}</td><td>{c['comm_s']:.1f}</td><td>{c['overlap_s']:.1f}</td>"
         f"<td>{c['bytes_up'] / 1e3:.0f}</td><td>{c['bytes_down'] / 1e3:.0f}</td></tr>"
-        for i, (_, c) in enumerate(sorted(summary["clients"].items(), key=lambda kv: int(kv[0]))))
-    imgs = "".join(f'<figure><img src="{html.escape(name)}" alt="{html.escape(name)}"></figure>' for name in images)
+        for i, (_, c) in enumerate(sorted(summary["clients"].items(), key=lambda kv: int(kv[0])))
+    )
+    imgs = "".join(
+        f'<figure><img src="{html.escape(name)}" alt="{html.escape(name)}"></figure>' for name in images
+    )
     page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>fedrl run: {html.escape(scenario.get('name', cfg['mode']))}</title>
+<html><head><meta charset="utf-8"><title>fedrl run: {html.escape(scenario.get("name", cfg["mode"]))}</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse}}
-th,td{{padding:2px 10px;border-bottom:1px solid #ddd;text-align:left}}figure{{display:inline-block;margin:6px}}
+th,td{{padding:2px 10px;border-bottom:1px solid #ddd;text-align:left}}
+figure{{display:inline-block;margin:6px}}
 img{{max-width:520px}}</style></head><body>
 <h1>fedrl run report</h1><table>{rows}</table>
 {imgs}

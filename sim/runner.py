@@ -14,7 +14,9 @@ from fedrl.sim.simulated_server import SimConfig, split_config
 from fedrl.strategies.run_config import RunConfig
 
 
-def simulate(cfg: RunConfig, sim: SimConfig, num_clients: int, quiet: bool = False, engine: str = "ray") -> dict:
+def simulate(
+    cfg: RunConfig, sim: SimConfig, num_clients: int, quiet: bool = False, engine: str = "ray"
+) -> dict:
     """Run the coordinator and `num_clients` simulated ClientApps: engine "ray" under Flower's
     run_simulation, "local" in this process (see fedrl.sim.local_grid)."""
     os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
@@ -22,8 +24,13 @@ def simulate(cfg: RunConfig, sim: SimConfig, num_clients: int, quiet: bool = Fal
     from fedrl.sim.apps import client_app
 
     budgets = f"{cfg.versions} versions" + (f" or {cfg.max_time_s:g} {sim.clock} s" if cfg.max_time_s else "")
-    bar = tqdm(total=100, desc=f"fedrl sim {cfg.mode}{' sync' if cfg.sync else ' async'} ({budgets})",
-               unit="%", disable=quiet, bar_format="{l_bar}{bar}| {elapsed} {postfix}")
+    bar = tqdm(
+        total=100,
+        desc=f"fedrl sim {cfg.mode}{' sync' if cfg.sync else ' async'} ({budgets})",
+        unit="%",
+        disable=quiet,
+        bar_format="{l_bar}{bar}| {elapsed} {postfix}",
+    )
 
     def progress(coord) -> None:
         last = coord.evals[-1]["error"] if coord.evals else float("nan")
@@ -31,8 +38,13 @@ def simulate(cfg: RunConfig, sim: SimConfig, num_clients: int, quiet: bool = Fal
         if cfg.max_time_s:
             done = max(done, coord.now() / cfg.max_time_s)
         bar.n = min(100, int(100 * done))
-        bar.set_postfix(version=coord.version, t=f"{coord.now():.1f}s", replies=coord.counts["replies"],
-                        rejected=coord.counts["rejected"], eval_error=f"{last:.3f}")
+        bar.set_postfix(
+            version=coord.version,
+            t=f"{coord.now():.1f}s",
+            replies=coord.counts["replies"],
+            rejected=coord.counts["rejected"],
+            eval_error=f"{last:.3f}",
+        )
         bar.refresh()
 
     if engine == "local":
@@ -53,8 +65,12 @@ def simulate(cfg: RunConfig, sim: SimConfig, num_clients: int, quiet: bool = Fal
     # on the real clock slow clients sleep, and a fractional CPU lets every client hold a worker.
     num_cpus = 1.0 if sim.clock == "virtual" else 2 / num_clients
     results: list[dict] = []
-    run_simulation(server_app=make_server_app(cfg, sim, progress, results), client_app=client_app,
-                   num_supernodes=num_clients, backend_config=ray_backend(num_cpus))
+    run_simulation(
+        server_app=make_server_app(cfg, sim, progress, results),
+        client_app=client_app,
+        num_supernodes=num_clients,
+        backend_config=ray_backend(num_cpus),
+    )
     bar.close()
     if not results:
         raise RuntimeError("the simulation ended without a summary (see the log above)")
@@ -62,8 +78,15 @@ def simulate(cfg: RunConfig, sim: SimConfig, num_clients: int, quiet: bool = Fal
 
 
 def ray_backend(cpus_per_client: float) -> dict:
-    return {"client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
-            "init_args": {"num_cpus": 2, "include_dashboard": False, "logging_level": "error", "log_to_driver": False}}
+    return {
+        "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
+        "init_args": {
+            "num_cpus": 2,
+            "include_dashboard": False,
+            "logging_level": "error",
+            "log_to_driver": False,
+        },
+    }
 
 
 def parse_overrides(items: list[str] | None) -> dict:
@@ -91,9 +114,13 @@ def main(args) -> int:
         return 0
     scenario = load_scenario(args.scenario)
     clients = args.clients or scenario.clients
-    base, sim = split_config({**scenario.config.model_dump(), **scenario.sim.model_dump(), **parse_overrides(args.set)})
+    base, sim = split_config(
+        {**scenario.config.model_dump(), **scenario.sim.model_dump(), **parse_overrides(args.set)}
+    )
     out = Path(args.out or f"runs/sim-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    print(f"scenario {scenario.name}: {scenario.description} ({clients} clients, seeds {list(scenario.seeds)})")
+    print(
+        f"scenario {scenario.name}: {scenario.description} ({clients} clients, seeds {list(scenario.seeds)})"
+    )
     for seed in scenario.seeds:
         run_out = out / f"seed-{seed}" if len(scenario.seeds) > 1 else out
         cfg = base.replace(out_dir=str(run_out), min_nodes=clients, seed=seed)
@@ -101,8 +128,25 @@ def main(args) -> int:
         summary = simulate(cfg, sim, clients, engine=args.engine)
         summary["scenario"] = {"name": scenario.name, "description": scenario.description, "clients": clients}
         files = write_report(summary, run_out)
-        print(json.dumps({k: summary[k] for k in ("initial_eval", "final_eval", "versions", "rounds", "bytes_up",
-                                                  "bytes_down", "clock", "time_s")}))
-        print(f"wrote {run_out / 'report.html'} ({', '.join(p.name for p in files)}) in "
-              f"{time.perf_counter() - start:.0f} s")
+        print(
+            json.dumps(
+                {
+                    k: summary[k]
+                    for k in (
+                        "initial_eval",
+                        "final_eval",
+                        "versions",
+                        "rounds",
+                        "bytes_up",
+                        "bytes_down",
+                        "clock",
+                        "time_s",
+                    )
+                }
+            )
+        )
+        print(
+            f"wrote {run_out / 'report.html'} ({', '.join(p.name for p in files)}) in "
+            f"{time.perf_counter() - start:.0f} s"
+        )
     return 0

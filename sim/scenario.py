@@ -60,7 +60,9 @@ def find(name_or_path: str) -> Path:
             raise ScenarioError(f"scenario file {path} does not exist")
         return path
     if name_or_path not in shipped():
-        raise ScenarioError(f"unknown scenario {name_or_path!r}; shipped: {', '.join(shipped())}, or give a .toml path")
+        raise ScenarioError(
+            f"unknown scenario {name_or_path!r}; shipped: {', '.join(shipped())}, or give a .toml path"
+        )
     return shipped()[name_or_path]
 
 
@@ -95,7 +97,11 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
     if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
         raise ScenarioError(f"{path}: clients must be a positive integer, got {clients!r}")
     seeds = data.get("seeds", [config.seed])
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+    ):
         raise ScenarioError(f"{path}: seeds must be a non-empty list of integers")
     name, description = data.get("name", path.stem), data.get("description", "")
     if not isinstance(name, str) or not isinstance(description, str):

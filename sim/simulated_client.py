@@ -53,12 +53,18 @@ class SimulatedRuntime(Runtime):
 
     def landed(self, comm: CommResult, steps_done: int) -> bool:
         # on the virtual clock the patch lands once the steps so far outlast the link's seconds
-        return comm.done.is_set() and (not self.virtual or steps_done * self.step_v >= self.link_seconds(comm))
+        return comm.done.is_set() and (
+            not self.virtual or steps_done * self.step_v >= self.link_seconds(comm)
+        )
 
     def timing(self, overlapped, compute, steps, before, after, start) -> Timing:
         if not self.virtual:
             return super().timing(overlapped, compute, steps, before, after, start)
-        compute_s, before_s, after_s = steps * self.step_v, self.link_seconds(before), self.link_seconds(after)
+        compute_s, before_s, after_s = (
+            steps * self.step_v,
+            self.link_seconds(before),
+            self.link_seconds(after),
+        )
         duration, overlap = round_seconds(overlapped, compute_s, before_s, after_s)
         return Timing(compute_s, before_s + after_s, overlap, duration)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +74,9 @@ class SimulatedGrid:
     def push_messages(self, msgs):
         for m in msgs:
             profile = self.profile(int(m.content["instruction"]["client_id"]))
-            stamp = Stamp(profile=profile.to_json(), clock=self.sim.clock, step_s=self.step_s, now_s=self.clock.now())
+            stamp = Stamp(
+                profile=profile.to_json(), clock=self.sim.clock, step_s=self.step_s, now_s=self.clock.now()
+            )
             m.content[STAMP] = ConfigRecord(stamp.to_record())
         return self.grid.push_messages(msgs)
 
@@ -83,12 +86,16 @@ def calibrate_step_s(cfg: RunConfig, repeats: int = 3) -> float:
     adapter = build_adapter_model(cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks)
     task = get_task(cfg.task, **json.loads(cfg.task_params))
     block = -1 if cfg.mode == "fedavg-lora" else 0
-    learner = Learner(adapter.part.make_trainable(adapter.lm.model, block), LearnerConfig(cfg.method, lr=cfg.lr))
+    learner = Learner(
+        adapter.part.make_trainable(adapter.lm.model, block), LearnerConfig(cfg.method, lr=cfg.lr)
+    )
     rng, gen = np.random.default_rng(cfg.seed), torch.Generator().manual_seed(cfg.seed)
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
         start = time.perf_counter()
-        batch = score(task, rollout(adapter.lm, task, task.sample(cfg.prompts, rng), cfg.samples, generator=gen))
+        batch = score(
+            task, rollout(adapter.lm, task, task.sample(cfg.prompts, rng), cfg.samples, generator=gen)
+        )
         lm_update(learner, adapter.lm.model, batch)
         times.append(time.perf_counter() - start)
     return float(np.median(times[1:]))
@@ -102,7 +109,9 @@ def run_simulated(grid, cfg: RunConfig, sim: SimConfig, progress=None) -> dict:
     except ProfileError as err:
         raise SchemaError(f"simulation config: {err}") from None
 
-    def lookahead(instr) -> float:  # no reply can come before the round's compute is done, nor after the deadline
+    def lookahead(
+        instr,
+    ) -> float:  # no reply can come before the round's compute is done, nor after the deadline
         speed = profiles[instr.client_id % len(profiles)].speed
         return min(instr.steps * step_s / speed, cfg.deadline_s)
 

@@ -6,8 +6,8 @@ Pure functions over dicts of tensors; the coordinator owns the state.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 

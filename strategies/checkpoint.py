@@ -82,7 +82,9 @@ class Checkpointer:
                 self.write(*job)
             except Exception as err:  # kept for the caller: the next save or flush raises it
                 with self._cond:
-                    self._error = CheckpointError(f"checkpoint of version {job[0]} to {self.directory} failed: {err}")
+                    self._error = CheckpointError(
+                        f"checkpoint of version {job[0]} to {self.directory} failed: {err}"
+                    )
             finally:
                 with self._cond:
                     self._busy = False
@@ -94,7 +96,10 @@ class Checkpointer:
         data = save({k: v.contiguous() for k, v in tensors.items()})
         _fsync_write(tensor_path, data)
         digest = hashlib.sha256(data).hexdigest()
-        _fsync_write(stem.with_suffix(".json"), json.dumps({"version": version, "sha256": digest, "meta": meta}).encode())
+        _fsync_write(
+            stem.with_suffix(".json"),
+            json.dumps({"version": version, "sha256": digest, "meta": meta}).encode(),
+        )
         dir_fd = os.open(self.directory, os.O_RDONLY)
         try:
             os.fsync(dir_fd)

@@ -33,7 +33,7 @@ from fedrl.schema import SchemaError
 from fedrl.signing import generate_signing_key, public_key_pem
 from fedrl.store_client import BlockingStoreClient, StoreError, put_signed_patches
 from fedrl.strategies.aggregation import AggregationConfig, Update, aggregate_block, rejection_reason
-from fedrl.strategies.checkpoint import CheckpointError, Checkpointer, load_latest
+from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_latest
 from fedrl.strategies.membership import Membership
 from fedrl.strategies.run_config import RunConfig
 from fedrl.strategies.scheduler import BlockScheduler
@@ -74,12 +74,15 @@ class Coordinator:
         cfg = self.cfg
         self.out_dir = Path(cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.adapter = build_adapter_model(cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks)  # our own instance
+        self.adapter = build_adapter_model(
+            cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks
+        )  # our own instance
         self.task = get_task(cfg.task, **json.loads(cfg.task_params))
         self.global_state = dict(self.adapter.initial)
         self.version = 0
-        self.scheduler = BlockScheduler(cfg.num_blocks, cfg.schedule, cfg.base_steps, cfg.min_steps, cfg.max_steps,
-                                        cfg.seed)
+        self.scheduler = BlockScheduler(
+            cfg.num_blocks, cfg.schedule, cfg.base_steps, cfg.min_steps, cfg.max_steps, cfg.seed
+        )
         self.agg = AggregationConfig(cfg.alpha, cfg.max_staleness, cfg.clip_norm or None, cfg.robust)
         anchor_every = 1 if cfg.mode == "fedavg-lora" else cfg.anchor_every  # fedavg sends full adapters
         self.publisher = PatchPublisher(anchor_every=anchor_every, keep_recent=cfg.max_staleness + 2)
@@ -112,7 +115,7 @@ class Coordinator:
         self.stop_reason = ""
         self.last_refresh = float("-inf")
 
-    def __enter__(self) -> "Coordinator":
+    def __enter__(self) -> Coordinator:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -125,7 +128,14 @@ class Coordinator:
 
     def event(self, kind: str, **fields) -> None:
         self.events.append({"t": round(self.now(), 3), "kind": kind, "version": self.version, **fields})
-        if kind in ("rejected", "error", "lost", "unknown", "left", "joined"):  # expected under churn: logged quietly
+        if kind in (
+            "rejected",
+            "error",
+            "lost",
+            "unknown",
+            "left",
+            "joined",
+        ):  # expected under churn: logged quietly
             log.info("%s: %s", kind, fields)
 
     def evaluate(self) -> float:
@@ -137,17 +147,28 @@ class Coordinator:
         return error
 
     def publish(self) -> None:
-        self.refs += put_signed_patches(self.admin, self.publisher.publish(self.global_state, self.version),
-                                        self.signing_key)
+        self.refs += put_signed_patches(
+            self.admin, self.publisher.publish(self.global_state, self.version), self.signing_key
+        )
         oldest = self.version - self.publisher.keep_recent
         anchors = set(self.publisher.anchors)
-        self.refs = [r for r in self.refs if (r["base_version"] is None and r["target_version"] in anchors)
-                     or (r["base_version"] is not None and r["base_version"] >= oldest)]
+        self.refs = [
+            r
+            for r in self.refs
+            if (r["base_version"] is None and r["target_version"] in anchors)
+            or (r["base_version"] is not None and r["base_version"] >= oldest)
+        ]
         self.admin.publish({"latest": self.version, "refs": self.refs, "public_key": self.public_key})
 
     def checkpoint(self) -> None:
-        meta = {"scheduler": self.scheduler.state_dict(), "members": self.members.state_dict(), "counts": self.counts,
-                "in_flight": len(self.in_flight), "evals": self.evals, "config": self.cfg.model_dump()}
+        meta = {
+            "scheduler": self.scheduler.state_dict(),
+            "members": self.members.state_dict(),
+            "counts": self.counts,
+            "in_flight": len(self.in_flight),
+            "evals": self.evals,
+            "config": self.cfg.model_dump(),
+        }
         self.checkpointer.save_async(self.version, self.global_state, meta)
 
     def resume(self) -> bool:
@@ -181,7 +202,9 @@ class Coordinator:
         deadline = time.monotonic() + self.cfg.node_wait_s
         while len(list(self.grid.get_node_ids())) < self.cfg.min_nodes:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than {self.cfg.min_nodes} nodes connected after {self.cfg.node_wait_s} s")
+                raise TimeoutError(
+                    f"fewer than {self.cfg.min_nodes} nodes connected after {self.cfg.node_wait_s} s"
+                )
             time.sleep(0.2)
 
     # ------------------------------------------------------------------ dispatch and replies
@@ -191,12 +214,29 @@ class Coordinator:
         self.rounds[node] = self.rounds.get(node, 0) + 1
         principal = node_principal(node)
         return TrainInstruction(
-            action=action, mode=cfg.mode, block=block, steps=steps, version=self.version, store_url=self.store_url,
-            principal=principal, token=token_for(self.secret, principal), public_key=self.public_key,
-            model=cfg.model, task=cfg.task, task_params=cfg.task_params, num_blocks=cfg.num_blocks,
-            lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lr=cfg.lr, prompts=cfg.prompts,
-            samples=cfg.samples, method=cfg.method, seed=cfg.seed, client_id=self.members.client_id(node),
-            data_shards=cfg.shards, round=self.rounds[node],
+            action=action,
+            mode=cfg.mode,
+            block=block,
+            steps=steps,
+            version=self.version,
+            store_url=self.store_url,
+            principal=principal,
+            token=token_for(self.secret, principal),
+            public_key=self.public_key,
+            model=cfg.model,
+            task=cfg.task,
+            task_params=cfg.task_params,
+            num_blocks=cfg.num_blocks,
+            lora_rank=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha,
+            lr=cfg.lr,
+            prompts=cfg.prompts,
+            samples=cfg.samples,
+            method=cfg.method,
+            seed=cfg.seed,
+            client_id=self.members.client_id(node),
+            data_shards=cfg.shards,
+            round=self.rounds[node],
         )
 
     def dispatch(self, node: int, action: str = "train") -> None:
@@ -213,14 +253,18 @@ class Coordinator:
         content = RecordDict({"instruction": ConfigRecord(instr.to_record())})
         # the message's ttl is the wall-clock watchdog; on a virtual clock the deadline is virtual
         ttl = self.cfg.watchdog_s if self.clock.virtual else self.cfg.deadline_s
-        msg = Message(content, dst_node_id=node, message_type=MESSAGE_TYPE, ttl=ttl, group_id=str(self.version))
+        msg = Message(
+            content, dst_node_id=node, message_type=MESSAGE_TYPE, ttl=ttl, group_id=str(self.version)
+        )
         ids = list(self.grid.push_messages([msg]))
         if not ids or not ids[0]:
             if action == "train" and block >= 0:
                 self.scheduler.release(block)
             self.event("error", node=node, reason="message not accepted by the SuperLink")
             return
-        self.in_flight[ids[0]] = Dispatch(node, block, action, self.version, self.now(), time.monotonic() + ttl + 5)
+        self.in_flight[ids[0]] = Dispatch(
+            node, block, action, self.version, self.now(), time.monotonic() + ttl + 5
+        )
         self.clock.sent(ids[0], instr)
 
     def close_dispatch(self, msg_id: str) -> Dispatch | None:
@@ -273,16 +317,41 @@ class Coordinator:
             self.ingest(d.node, report)
 
     def record_client(self, node: int, r: TrainReport) -> None:
-        c = self.clients.setdefault(node, {"client_id": self.members.client_id(node), "messages": 0, "compute_s": 0.0,
-                                           "comm_s": 0.0, "overlap_s": 0.0, "duration_s": 0.0, "bytes_up": 0,
-                                           "bytes_down": 0, "timeline": []})
+        c = self.clients.setdefault(
+            node,
+            {
+                "client_id": self.members.client_id(node),
+                "messages": 0,
+                "compute_s": 0.0,
+                "comm_s": 0.0,
+                "overlap_s": 0.0,
+                "duration_s": 0.0,
+                "bytes_up": 0,
+                "bytes_down": 0,
+                "timeline": [],
+            },
+        )
         c["messages"] += 1
         for k in ("compute_s", "comm_s", "overlap_s", "duration_s", "bytes_up", "bytes_down"):
             c[k] += getattr(r, k)
-        c["timeline"].append({"end": round(self.now(), 3), "duration_s": r.duration_s, "compute_s": r.compute_s,
-                              "comm_s": r.comm_s, "overlap_s": r.overlap_s})
-        self.event("reply", node=node, reward=r.reward, steps=r.steps, staleness=r.staleness,
-                   bytes_up=r.bytes_up, bytes_down=r.bytes_down)
+        c["timeline"].append(
+            {
+                "end": round(self.now(), 3),
+                "duration_s": r.duration_s,
+                "compute_s": r.compute_s,
+                "comm_s": r.comm_s,
+                "overlap_s": r.overlap_s,
+            }
+        )
+        self.event(
+            "reply",
+            node=node,
+            reward=r.reward,
+            steps=r.steps,
+            staleness=r.staleness,
+            bytes_up=r.bytes_up,
+            bytes_down=r.bytes_down,
+        )
 
     def ingest(self, node: int, r: TrainReport) -> None:
         """Fetch, verify and queue one client delta; anything wrong is rejected with a reason."""
@@ -333,7 +402,8 @@ class Coordinator:
                 for b in range(self.cfg.num_blocks):
                     names = self.adapter.part.names(b)
                     by_block.setdefault(b, []).append(
-                        Update(u.node, b, {n: u.delta[n] for n in names}, u.num_samples, u.staleness))
+                        Update(u.node, b, {n: u.delta[n] for n in names}, u.num_samples, u.staleness)
+                    )
             else:
                 by_block.setdefault(u.block, []).append(u)
         new_state = dict(self.global_state)  # tensors are replaced, never mutated (lazy checkpoint copies)
@@ -450,7 +520,10 @@ class Coordinator:
             loop_time = self.now()
         # the coordinator's own cost: the process's CPU over the loop (its thread, the patch store's and
         # the checkpointer's), held-out evaluations excluded; with in-process clients, theirs too
-        self.loop = {"cpu_s": time.process_time() - loop_cpu - (self.eval_cpu_s - loop_eval_cpu), "time_s": loop_time}
+        self.loop = {
+            "cpu_s": time.process_time() - loop_cpu - (self.eval_cpu_s - loop_eval_cpu),
+            "time_s": loop_time,
+        }
         final = self.evaluate()
         summary = self.finish(initial, final)
         if failure:  # results are saved; the caller still learns that the run failed
@@ -474,12 +547,23 @@ class Coordinator:
         bytes_up = sum(c["bytes_up"] for c in self.clients.values())
         bytes_down = sum(c["bytes_down"] for c in self.clients.values())
         summary = {
-            "config": self.cfg.model_dump(), "initial_eval": initial, "final_eval": final, "metric": "greedy_error",
-            "rounds": sum(c["messages"] for c in self.clients.values()), "versions": self.version,
-            "bytes_up": bytes_up, "bytes_down": bytes_down, "clock": "virtual" if self.clock.virtual else "real",
-            "time_s": round(self.now(), 2), "loop": self.loop, "stop_reason": self.stop_reason,
-            "counts": self.counts, "evals": self.evals, "clients": {str(k): v for k, v in self.clients.items()},
-            "events": self.events, "adapter_dir": str(adapter_dir),
+            "config": self.cfg.model_dump(),
+            "initial_eval": initial,
+            "final_eval": final,
+            "metric": "greedy_error",
+            "rounds": sum(c["messages"] for c in self.clients.values()),
+            "versions": self.version,
+            "bytes_up": bytes_up,
+            "bytes_down": bytes_down,
+            "clock": "virtual" if self.clock.virtual else "real",
+            "time_s": round(self.now(), 2),
+            "loop": self.loop,
+            "stop_reason": self.stop_reason,
+            "counts": self.counts,
+            "evals": self.evals,
+            "clients": {str(k): v for k, v in self.clients.items()},
+            "events": self.events,
+            "adapter_dir": str(adapter_dir),
         }
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import model_validator
 
@@ -34,7 +35,9 @@ class RunConfig(Schema):
     robust: str = "mean"  # mean | trimmed-mean | median
     clip_norm: float = 0.0  # 0: off
     deadline_s: float = 300.0  # a round's deadline on the run's clock (stragglers past it are cut)
-    watchdog_s: float = 600.0  # wall seconds after which a message with no reply is given up, whatever the clock
+    watchdog_s: float = (
+        600.0  # wall seconds after which a message with no reply is given up, whatever the clock
+    )
     data_shards: int = 0  # the task's data is split in this many shards (client id % shards); 0: min_nodes
     anchor_every: int = 5
     eval_every: int = 4
@@ -62,7 +65,11 @@ class RunConfig(Schema):
             raise ValueError("deadline_s, watchdog_s and node_wait_s must be > 0")
         if not 1 <= self.min_steps <= self.max_steps:
             raise ValueError("need 1 <= min_steps <= max_steps")
-        if self.robust not in ("mean", "trimmed-mean", "median") or self.schedule not in ("cyclic", "random", "lru"):
+        if self.robust not in ("mean", "trimmed-mean", "median") or self.schedule not in (
+            "cyclic",
+            "random",
+            "lru",
+        ):
             raise ValueError(f"unknown robust {self.robust!r} or schedule {self.schedule!r}")
         check_json(self.task_params, "task_params")
         return self
@@ -72,5 +79,5 @@ class RunConfig(Schema):
         return self.data_shards or self.min_nodes
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "RunConfig":
+    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
         return cls.parse({k.replace("-", "_"): v for k, v in values.items()}, "run config")

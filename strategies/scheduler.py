@@ -67,8 +67,11 @@ class BlockScheduler:
         return int(np.clip(round(target / self.speed[node]), self.min_steps, self.max_steps))
 
     def state_dict(self) -> dict:
-        return {"speed": {str(k): v for k, v in self.speed.items()}, "assigned": {str(k): v for k, v in self.assigned.items()},
-                "last_update": list(self.last_update)}
+        return {
+            "speed": {str(k): v for k, v in self.speed.items()},
+            "assigned": {str(k): v for k, v in self.assigned.items()},
+            "last_update": list(self.last_update),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.speed = {int(k): float(v) for k, v in state["speed"].items()}

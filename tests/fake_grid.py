@@ -33,19 +33,33 @@ class FakeGrid(LocalGrid):
 
     def join(self, node: int) -> None:
         if node not in self.contexts:
-            self.contexts[node] = Context(run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={})
+            self.contexts[node] = Context(
+                run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={}
+            )
         self.present.add(node)
 
     def reply_to(self, node, msg):
         self.sent.append((node, dict(msg.content["instruction"])))
         if node not in self.present:
-            return Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node is not connected"), reply_to=msg)
+            return Message(
+                Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node is not connected"), reply_to=msg
+            )
         return self.script(node, msg, super().reply_to(node, msg))
 
 
 def small_config(tmp_path, **changes) -> RunConfig:
     """A run small enough for a unit test: 2 steps of 4x4 rollouts per message."""
-    base = dict(versions=3, base_steps=2, min_steps=1, max_steps=4, prompts=4, samples=4, min_nodes=3,
-                eval_every=100, out_dir=str(tmp_path / "run"), deadline_s=60.0,
-                task_params=json.dumps({"length": 8, "num_eval": 32}))
+    base = dict(
+        versions=3,
+        base_steps=2,
+        min_steps=1,
+        max_steps=4,
+        prompts=4,
+        samples=4,
+        min_nodes=3,
+        eval_every=100,
+        out_dir=str(tmp_path / "run"),
+        deadline_s=60.0,
+        task_params=json.dumps({"length": 8, "num_eval": 32}),
+    )
     return RunConfig(**{**base, **changes})

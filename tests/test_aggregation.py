@@ -6,7 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedrl.strategies.aggregation import (
-    AggregationConfig, Update, aggregate_block, clip_delta, rejection_reason, staleness_weight,
+    AggregationConfig,
+    Update,
+    aggregate_block,
+    clip_delta,
+    rejection_reason,
+    staleness_weight,
 )
 
 
@@ -33,7 +38,9 @@ def test_mean_lies_within_the_updates(items):
 def test_robust_options_resist_an_outlier():
     updates = [upd(1.0), upd(1.1), upd(0.9), upd(1.0), upd(1000.0)]
     assert aggregate_block(updates, AggregationConfig(robust="median"))["w"][0].item() == pytest.approx(1.0)
-    trimmed = aggregate_block(updates, AggregationConfig(robust="trimmed-mean", trim_fraction=0.2))["w"][0].item()
+    trimmed = aggregate_block(updates, AggregationConfig(robust="trimmed-mean", trim_fraction=0.2))["w"][
+        0
+    ].item()
     assert trimmed == pytest.approx((1.0 + 1.1 + 1.0) / 3)
     clipped = aggregate_block(updates, AggregationConfig(clip_norm=math.sqrt(3)))["w"]
     assert clipped.max().item() <= 1.0 + 1e-6

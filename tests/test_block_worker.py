@@ -27,10 +27,30 @@ def test_overlap_seconds():
 
 
 def _instruction(**kw):
-    base = dict(action="train", mode="parablock", block=0, steps=2, version=0, store_url="http://127.0.0.1:1",
-                principal="node-1", token="t", public_key="", model="tiny-base", task="reversal", task_params="{}",
-                num_blocks=3, lora_rank=8, lora_alpha=16.0, lr=1e-3, prompts=2, samples=2, method="dg", seed=0,
-                client_id=0, data_shards=1)
+    base = dict(
+        action="train",
+        mode="parablock",
+        block=0,
+        steps=2,
+        version=0,
+        store_url="http://127.0.0.1:1",
+        principal="node-1",
+        token="t",
+        public_key="",
+        model="tiny-base",
+        task="reversal",
+        task_params="{}",
+        num_blocks=3,
+        lora_rank=8,
+        lora_alpha=16.0,
+        lr=1e-3,
+        prompts=2,
+        samples=2,
+        method="dg",
+        seed=0,
+        client_id=0,
+        data_shards=1,
+    )
     base.update(kw)
     return base
 
@@ -62,9 +82,24 @@ def test_a_wrong_type_anywhere_is_one_line():
 
 
 def test_report_rejects_a_bad_upload_key():
-    fields = dict(upload_key="xyz", upload_block=0, upload_base_version=0, upload_samples=1, synced_version=0,
-                  reward=0.0, loss=0.0, gate_mean=0.0, steps=1, compute_s=0.0, comm_s=0.0, overlap_s=0.0,
-                  duration_s=0.0, bytes_up=0, bytes_down=0, staleness=0)
+    fields = dict(
+        upload_key="xyz",
+        upload_block=0,
+        upload_base_version=0,
+        upload_samples=1,
+        synced_version=0,
+        reward=0.0,
+        loss=0.0,
+        gate_mean=0.0,
+        steps=1,
+        compute_s=0.0,
+        comm_s=0.0,
+        overlap_s=0.0,
+        duration_s=0.0,
+        bytes_up=0,
+        bytes_down=0,
+        staleness=0,
+    )
     with pytest.raises(SchemaError, match="SHA-256"):
         TrainReport.parse(fields)
     with pytest.raises(SchemaError, match="duration_s must be a finite number"):

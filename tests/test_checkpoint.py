@@ -36,7 +36,8 @@ def test_killed_coordinator_restarts_from_its_checkpoint(tmp_path):
     """A real coordinator process (clients inline through a fake Grid) is killed with SIGKILL
     mid-run; a new process resumes from the last good checkpoint, no temp files remain."""
     script = tmp_path / "coord.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from flwr.supercore.task_identity import TaskIdentity
@@ -45,14 +46,17 @@ def test_killed_coordinator_restarts_from_its_checkpoint(tmp_path):
         from fedrl.clients.client_app import app
         from fedrl.strategies.coordinator import run_coordinator
         from fedrl.strategies.run_config import RunConfig
-        cfg = RunConfig(versions=int(sys.argv[1]), base_steps=2, max_steps=2, prompts=4, samples=4, min_nodes=2,
-                        eval_every=1000, buffer_size=1, out_dir={str(tmp_path / 'run')!r},
+        cfg = RunConfig(versions=int(sys.argv[1]), base_steps=2, max_steps=2, prompts=4, samples=4,
+                        min_nodes=2, eval_every=1000, buffer_size=1, out_dir={str(tmp_path / "run")!r},
                         task_params=json.dumps({{"length": 8, "num_eval": 16}}))
         s = run_coordinator(FakeGrid(2, app), cfg)
         print("VERSIONS", s["versions"], [e for e in s["events"] if e["kind"] == "resumed"])
-    """))
+    """)
+    )
     ckpt_dir = tmp_path / "run" / "checkpoints"
-    proc = subprocess.Popen([sys.executable, str(script), "1000"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "1000"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and len(list(ckpt_dir.glob("ckpt-*.json"))) < 2:
         time.sleep(0.2)
@@ -60,8 +64,10 @@ def test_killed_coordinator_restarts_from_its_checkpoint(tmp_path):
     proc.wait()
     saved, _, _ = load_latest(ckpt_dir)
     assert saved >= 1
-    out = subprocess.run([sys.executable, str(script), str(saved + 2)], capture_output=True, text=True, timeout=300)
-    line = [l for l in out.stdout.splitlines() if l.startswith("VERSIONS")][-1]
+    out = subprocess.run(
+        [sys.executable, str(script), str(saved + 2)], capture_output=True, text=True, timeout=300
+    )
+    line = [x for x in out.stdout.splitlines() if x.startswith("VERSIONS")][-1]
     assert f"'from_version': {saved}" in line, out.stdout + out.stderr[-2000:]
     assert int(line.split()[1]) >= saved + 2
     assert not list(ckpt_dir.glob("*.tmp"))

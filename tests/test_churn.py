@@ -4,9 +4,9 @@ coordinator treats each as an event, keeps every node's client id, and keeps run
 import time
 
 import pytest
+from fake_grid import FakeGrid, small_config
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fake_grid import FakeGrid, small_config
 from fedrl.clients.client_app import app as client_app
 from fedrl.sim.apps import client_app as simulated_client_app
 from fedrl.sim.simulated_server import SimConfig, run_simulated
@@ -56,8 +56,10 @@ def test_nodes_leave_join_and_return_during_rounds(tmp_path, mode, sync, monkeyp
     monkeypatch.setattr("fedrl.strategies.coordinator.Coordinator.refresh_every_s", 0.0)
     script = ChurnScript()
     grid = script.grid = FakeGrid(3, client_app, script)
-    summary = run_coordinator(grid, small_config(tmp_path, mode=mode, sync=sync, versions=6, buffer_size=1,
-                                                 base_steps=1, max_steps=1))
+    summary = run_coordinator(
+        grid,
+        small_config(tmp_path, mode=mode, sync=sync, versions=6, buffer_size=1, base_steps=1, max_steps=1),
+    )
     assert summary["versions"] >= 6
     kinds = [e["kind"] for e in summary["events"]]
     assert "left" in kinds and kinds.count("joined") >= 5  # 3 at the start, node 4, node 2 again

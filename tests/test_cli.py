@@ -4,7 +4,9 @@ import sys
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "fedrl.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "fedrl.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_help_lists_subcommands():
@@ -15,7 +17,17 @@ def test_help_lists_subcommands():
 
 
 def test_eval_prints_json_metric():
-    out = run("eval", "--model", "tiny-base", "--task", "reversal", "--task-params", '{"length": 4}', "--limit", "32")
+    out = run(
+        "eval",
+        "--model",
+        "tiny-base",
+        "--task",
+        "reversal",
+        "--task-params",
+        '{"length": 4}',
+        "--limit",
+        "32",
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["problems"] == 16 and result["greedy_error"] <= 0.1
@@ -35,8 +47,10 @@ def test_sim_lists_scenarios_and_refuses_unknown_ones_clearly():
 
 def test_help_imports_no_heavy_module():
     """Before: 3.6 s, every benchmark imported (torch, flwr) just to build the parser."""
-    code = ("import sys; from fedrl.cli.main import build_parser; build_parser().format_help(); "
-            "print(sorted(m for m in ('torch', 'flwr', 'transformers', 'matplotlib') if m in sys.modules))")
+    code = (
+        "import sys; from fedrl.cli.main import build_parser; build_parser().format_help(); "
+        "print(sorted(m for m in ('torch', 'flwr', 'transformers', 'matplotlib') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -44,4 +58,7 @@ def test_help_imports_no_heavy_module():
 def test_a_wrong_override_type_is_one_line():
     out = run("sim", "--set", "versions=many")
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "versions: Input should be a valid integer" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert (
+        "versions: Input should be a valid integer" in out.stderr
+        and len(out.stderr.strip().splitlines()) == 1
+    )

@@ -1,9 +1,8 @@
 import json
 
 import pytest
-from flwr.app import Message
-
 from fake_grid import FakeGrid, small_config
+
 from fedrl.clock import RealClock
 from fedrl.sim.apps import client_app
 from fedrl.sim.clock import VirtualClock, round_seconds
@@ -78,7 +77,11 @@ def virtual_run(tmp_path, profiles, **kw):
 
 
 def test_coordinator_orders_arrivals_by_virtual_time(tmp_path):
-    profiles = [{"name": "fast", "speed": 4.0}, {"name": "mid", "speed": 1.0}, {"name": "slow", "speed": 0.25}]
+    profiles = [
+        {"name": "fast", "speed": 4.0},
+        {"name": "mid", "speed": 1.0},
+        {"name": "slow", "speed": 0.25},
+    ]
     cfg, sim = virtual_run(tmp_path, profiles, mode="parablock", sync=False, versions=6, buffer_size=1)
     summary = run_simulated(ScrambledGrid(3, client_app), cfg, sim)
     replies = [e for e in summary["events"] if e["kind"] == "reply"]
@@ -95,8 +98,14 @@ def test_coordinator_orders_arrivals_by_virtual_time(tmp_path):
 
 
 def test_virtual_deadline_cuts_stragglers_and_dropouts_are_errors(tmp_path):
-    profiles = [{"name": "ok", "speed": 1.0}, {"name": "straggler", "speed": 0.01}, {"name": "flaky", "dropout": 0.99}]
-    cfg, sim = virtual_run(tmp_path, profiles, mode="block-sequential", sync=True, versions=2, deadline_s=50.0)
+    profiles = [
+        {"name": "ok", "speed": 1.0},
+        {"name": "straggler", "speed": 0.01},
+        {"name": "flaky", "dropout": 0.99},
+    ]
+    cfg, sim = virtual_run(
+        tmp_path, profiles, mode="block-sequential", sync=True, versions=2, deadline_s=50.0
+    )
     summary = run_simulated(FakeGrid(3, client_app), cfg, sim)
     assert summary["versions"] == 2
     errors = [e["reason"] for e in summary["events"] if e["kind"] == "error"]

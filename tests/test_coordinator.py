@@ -1,9 +1,9 @@
 import json
 
 import pytest
+from fake_grid import FakeGrid, small_config
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 
-from fake_grid import FakeGrid, small_config
 from fedrl.clients.client_app import app as client_app
 from fedrl.strategies.coordinator import run_coordinator
 
@@ -19,8 +19,10 @@ def config(tmp_path, **kw):
     return small_config(tmp_path, **kw)
 
 
-@pytest.mark.parametrize("mode,sync", [("parablock", False), ("parablock", True), ("block-sequential", True),
-                                       ("fedavg-lora", True)])
+@pytest.mark.parametrize(
+    "mode,sync",
+    [("parablock", False), ("parablock", True), ("block-sequential", True), ("fedavg-lora", True)],
+)
 def test_modes_reach_their_versions(tmp_path, mode, sync):
     summary = run_coordinator(FakeGrid(3, client_app), config(tmp_path, mode=mode, sync=sync))
     assert summary["versions"] >= 3
@@ -40,8 +42,6 @@ def _with_report(msg, reply, **changes):
     return Message(RecordDict({"report": ConfigRecord(record)}), reply_to=msg)
 
 
-
-
 def test_dropouts_error_replies_and_malformed_replies_are_events_not_crashes(tmp_path):
     def script(node, msg, reply):
         if node == 3:  # gone: what the SuperLink synthesizes for an unavailable node
@@ -50,7 +50,9 @@ def test_dropouts_error_replies_and_malformed_replies_are_events_not_crashes(tmp
             return Message(RecordDict({"junk": ConfigRecord({"x": 1})}), reply_to=msg)
         return reply
 
-    summary = run_coordinator(FakeGrid(3, client_app, script), config(tmp_path, mode="block-sequential", sync=True))
+    summary = run_coordinator(
+        FakeGrid(3, client_app, script), config(tmp_path, mode="block-sequential", sync=True)
+    )
     assert summary["versions"] >= 3
     assert summary["counts"]["errors"] >= 3
     reasons = [e["reason"] for e in summary["events"] if e["kind"] == "rejected"]
@@ -76,7 +78,9 @@ def test_nan_stale_and_misattributed_updates_are_rejected(tmp_path):
             poisoned = {n: t.clone() for n, t in base.items()}
             next(iter(poisoned.values())).view(-1)[0] = float("nan")
             store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
-            key = store.put(encode_patch(base, poisoned, report["upload_base_version"], report["upload_base_version"]))
+            key = store.put(
+                encode_patch(base, poisoned, report["upload_base_version"], report["upload_base_version"])
+            )
             store.close()
             return _with_report(msg, reply, upload_key=key)
         if node == 2:  # claims an upload of node 3's
@@ -86,8 +90,15 @@ def test_nan_stale_and_misattributed_updates_are_rejected(tmp_path):
         return reply
 
     grid = FakeGrid(3, client_app, script)
-    cfg = config(tmp_path, mode="block-sequential", sync=True, num_blocks=3, max_staleness=0, versions=3,
-                 stall_replies=9)
+    cfg = config(
+        tmp_path,
+        mode="block-sequential",
+        sync=True,
+        num_blocks=3,
+        max_staleness=0,
+        versions=3,
+        stall_replies=9,
+    )
     summary = run_coordinator(grid, cfg)
     assert any(e["kind"] == "stopped" for e in summary["events"])  # nothing honest left: it stops, not spins
     reasons = {e["node"]: e["reason"] for e in summary["events"] if e["kind"] == "rejected"}

@@ -56,7 +56,11 @@ def test_actor_applies_bugs_and_discoveries_at_their_rates():
     assert bug_rows
     assert all(b.rewards[i] == task.reward(b.problems[i], "0000") for i in bug_rows)
     # discovered rows are correct and carry the actor's true (negative) log-probs
-    found = [i for i, (p, a) in enumerate(zip(b.problems, b.answers)) if a == p.target and b.behaviour_logp[i].sum() < 0]
+    found = [
+        i
+        for i, (p, a) in enumerate(zip(b.problems, b.answers))
+        if a == p.target and b.behaviour_logp[i].sum() < 0
+    ]
     assert found and all(b.rewards[i] == 1.0 for i in found)
 
 

@@ -44,7 +44,9 @@ def test_non_finite_loss_is_refused():
     learner = Learner([p], LearnerConfig("reinforce"))
     logp = (p * 0 + float("nan")).expand(2, 1)
     with pytest.raises(FloatingPointError):
-        learner.update(PGBatch(logp, torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long), torch.ones(2, 1)))
+        learner.update(
+            PGBatch(logp, torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long), torch.ones(2, 1))
+        )
     assert p.item() == 0.0
     with pytest.raises(ValueError, match="unknown method"):
         LearnerConfig("sgd-magic")

@@ -9,11 +9,11 @@ import time
 
 import pytest
 import torch
-
 from fake_grid import FakeGrid, small_config
+
 from fedrl.clients.client_app import app as client_app
 from fedrl.patch_store import PatchStoreServer, StoreState
-from fedrl.strategies.checkpoint import CheckpointError, Checkpointer
+from fedrl.strategies.checkpoint import Checkpointer, CheckpointError
 from fedrl.strategies.coordinator import Coordinator, run_coordinator
 
 
@@ -46,7 +46,9 @@ def test_a_failed_checkpoint_write_is_raised_by_the_next_save_and_by_flush(tmp_p
 def test_the_run_stops_with_the_checkpoint_error_and_keeps_its_results(tmp_path):
     class BreakingGrid(FakeGrid):
         def pull_messages(self, ids):
-            if (tmp_path / "run" / "checkpoints").is_dir() and list((tmp_path / "run" / "checkpoints").glob("*.json")):
+            if (tmp_path / "run" / "checkpoints").is_dir() and list(
+                (tmp_path / "run" / "checkpoints").glob("*.json")
+            ):
                 _break(tmp_path / "run" / "checkpoints")
             return super().pull_messages(ids)
 

@@ -6,7 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedrl.losses import (
-    PGBatch, decoupled_ppo_loss, delight_gate, dg_loss, grouped_advantage, iw_pg_loss, ppo_loss, reinforce_loss,
+    PGBatch,
+    decoupled_ppo_loss,
+    delight_gate,
+    dg_loss,
+    grouped_advantage,
+    iw_pg_loss,
+    ppo_loss,
+    reinforce_loss,
 )
 
 
@@ -89,7 +96,7 @@ def test_ppo_clip_hand_value():
     adv = torch.tensor([0.5, -0.5, -0.5, 0.5])[:, None]
     r = torch.exp(b.logp.detach() - b.behaviour_logp)
     per_token = torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.2))
-    # row 0 token 0: r = 1.25 with U > 0 -> clipped to 1.2; row 2 token 0: r = 0.5 with U < 0 -> clipped at 0.8
+    # row 0 token 0: r = 1.25, U > 0 -> clipped to 1.2; row 2 token 0: r = 0.5, U < 0 -> clipped at 0.8
     assert per_token[0, 0].item() == pytest.approx(-0.5 * 1.2)
     assert per_token[2, 0].item() == pytest.approx(0.5 * 0.8)
     assert ppo_loss(b)[0].item() == pytest.approx(((per_token * b.mask).sum() / 7).item(), rel=1e-6)

@@ -8,8 +8,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedrl.patch import (
-    BaseMismatch, CorruptPatch, PatchError, PatchLimits, PatchTooLarge, TargetMismatch, TensorMismatch,
-    TruncatedPatch, UnknownFormat, apply_patch, encode_patch, read_header, state_hash, to_bits,
+    BaseMismatch,
+    CorruptPatch,
+    PatchError,
+    PatchLimits,
+    PatchTooLarge,
+    TargetMismatch,
+    TensorMismatch,
+    TruncatedPatch,
+    UnknownFormat,
+    apply_patch,
+    encode_patch,
+    read_header,
+    state_hash,
+    to_bits,
 )
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -17,7 +29,8 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 def bits_equal(a: dict, b: dict) -> bool:
     return set(a) == set(b) and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and np.array_equal(to_bits(a[k]), to_bits(b[k])) for k in a
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and np.array_equal(to_bits(a[k]), to_bits(b[k]))
+        for k in a
     )
 
 
@@ -61,7 +74,13 @@ def test_round_trip_is_bit_identical(pair, level):
 
 def test_nan_payload_bits_survive():
     base = {"w": torch.zeros(8, dtype=torch.float32)}
-    new = {"w": torch.tensor(np.array([0x7FC00001, 0x7FC00002, 0x80000000, 0, 1, 2, 3, 0xFF800000], dtype=np.uint32).view(np.float32))}
+    new = {
+        "w": torch.tensor(
+            np.array([0x7FC00001, 0x7FC00002, 0x80000000, 0, 1, 2, 3, 0xFF800000], dtype=np.uint32).view(
+                np.float32
+            )
+        )
+    }
     assert bits_equal(apply_patch(base, encode_patch(base, new, 0, 1)), new)
 
 
@@ -179,7 +198,11 @@ def _mutations(patch: bytes, rng: np.random.Generator):
         return _rewrap(struct.pack("<I", len(new_h)) + new_h + bytes(body[4 + hlen :]))
     # truncate or extend the sections behind the header
     rest = bytes(body[4 + hlen :])
-    rest = rest[: rng.integers(len(rest) + 1)] if rng.random() < 0.5 else rest + rng.bytes(int(rng.integers(1, 9)))
+    rest = (
+        rest[: rng.integers(len(rest) + 1)]
+        if rng.random() < 0.5
+        else rest + rng.bytes(int(rng.integers(1, 9)))
+    )
     return _rewrap(bytes(body[: 4 + hlen]) + rest)
 
 

@@ -58,7 +58,11 @@ def test_receiver_follows_the_chain_or_the_anchor_bit_identically():
     state, plan = synchronize(hist[6], 6, 9, store.refs, store.fetch)
     assert state_hash(state) == state_hash(hist[9]) and [r.target_version for r in plan] == [7, 8, 9]
     fresh, plan = synchronize(None, None, 9, store.refs, store.fetch)
-    assert state_hash(fresh) == state_hash(hist[9]) and plan[0].base_version is None and plan[0].target_version == 8
+    assert (
+        state_hash(fresh) == state_hash(hist[9])
+        and plan[0].base_version is None
+        and plan[0].target_version == 8
+    )
 
 
 def test_skip_patch_takes_a_returning_client_there_in_one_download():
@@ -93,7 +97,12 @@ def test_wrong_held_state_is_detected_not_applied():
 
 
 def test_cheapest_path_prefers_fewer_bytes():
-    refs = [PatchRef(0, 1, 10, "a"), PatchRef(1, 2, 10, "b"), PatchRef(0, 2, 15, "c"), PatchRef(None, 2, 100, "d")]
+    refs = [
+        PatchRef(0, 1, 10, "a"),
+        PatchRef(1, 2, 10, "b"),
+        PatchRef(0, 2, 15, "c"),
+        PatchRef(None, 2, 100, "d"),
+    ]
     assert [r.key for r in cheapest_path(refs, 0, 2)] == ["c"]
     assert [[r.key for r in p] for p in sync_plans(refs, 0, 2)] == [["c"], ["d"]]
     assert cheapest_path(refs, 5, 2) is None

@@ -46,7 +46,9 @@ def test_credentials_are_required_and_checked(store):
     forged = BlockingStoreClient(server.url, node_principal(7), token_for(secret, node_principal(8)))
     with pytest.raises(StoreError, match="403"):
         forged.put(b"x")
-    stranger = BlockingStoreClient(server.url, node_principal(7), token_for(b"another secret", node_principal(7)))
+    stranger = BlockingStoreClient(
+        server.url, node_principal(7), token_for(b"another secret", node_principal(7))
+    )
     with pytest.raises(StoreError, match="403"):
         stranger.put(b"x")
     node = client(server, secret, node_principal(1))
@@ -81,8 +83,15 @@ def test_catalog_publish_and_pruning(store):
     server, secret = store
     admin = client(server, secret, ADMIN)
     a, b = admin.put(b"anchor"), admin.put(b"delta")
-    admin.publish({"latest": 1, "refs": [{"base_version": None, "target_version": 0, "size": 6, "key": a},
-                                         {"base_version": 0, "target_version": 1, "size": 5, "key": b}]})
+    admin.publish(
+        {
+            "latest": 1,
+            "refs": [
+                {"base_version": None, "target_version": 0, "size": 6, "key": a},
+                {"base_version": 0, "target_version": 1, "size": 5, "key": b},
+            ],
+        }
+    )
     assert admin.catalog()["latest"] == 1
     admin.publish({"latest": 1, "refs": [{"base_version": 0, "target_version": 1, "size": 5, "key": b}]})
     with pytest.raises(StoreError, match="404"):
@@ -107,33 +116,63 @@ def test_standalone_service_with_tls(tmp_path):
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     import ipaddress
 
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now)
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
+        )
+        .sign(key, hashes.SHA256())
+    )
     (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                         serialization.NoEncryption()))
+    (tmp_path / "key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     secret = new_secret()
     (tmp_path / "secret").write_bytes(secret.hex().encode())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "fedrl.cli", "patch-store", "--port", str(port), "--secret-file",
-                             str(tmp_path / "secret"), "--certfile", str(tmp_path / "cert.pem"), "--keyfile",
-                             str(tmp_path / "key.pem")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedrl.cli",
+            "patch-store",
+            "--port",
+            str(port),
+            "--secret-file",
+            str(tmp_path / "secret"),
+            "--certfile",
+            str(tmp_path / "cert.pem"),
+            "--keyfile",
+            str(tmp_path / "key.pem"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         shared = secret.hex().encode()
         url = f"https://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
             try:
-                c = BlockingStoreClient(url, node_principal(4), token_for(shared, node_principal(4)),
-                                        ca_file=str(tmp_path / "cert.pem"))
+                c = BlockingStoreClient(
+                    url,
+                    node_principal(4),
+                    token_for(shared, node_principal(4)),
+                    ca_file=str(tmp_path / "cert.pem"),
+                )
                 digest = c.put(b"over tls")
                 break
             except StoreError:

@@ -29,8 +29,10 @@ def test_named_mixes_differ_in_the_expected_direction():
 
 def test_profile_file_groups_and_mixes(tmp_path):
     path = tmp_path / "clients.toml"
-    path.write_text('[[client]]\ncount = 3\nname = "lab"\nspeed = 2.0\nup_bytes_s = 1e7\n\n'
-                    '[[client]]\ncount = 4\nmix = "mobile"\n')
+    path.write_text(
+        '[[client]]\ncount = 3\nname = "lab"\nspeed = 2.0\nup_bytes_s = 1e7\n\n'
+        '[[client]]\ncount = 4\nmix = "mobile"\n'
+    )
     profiles = load_profile_file(path)
     assert len(profiles) == 7
     assert profiles[:3] == [ClientProfile(name="lab", speed=2.0, up_bytes_s=1e7)] * 3
@@ -38,17 +40,20 @@ def test_profile_file_groups_and_mixes(tmp_path):
     assert resolve_profiles(str(path), 10)[7] == profiles[0]  # a file is repeated cyclically
 
 
-@pytest.mark.parametrize("text,message", [
-    ('[[client]]\ncount = 2\nsped = 1.0\n', "sped: Extra inputs are not permitted"),
-    ('[[client]]\ncount = 0\n', "count must be a positive integer"),
-    ('[[client]]\nspeed = -1.0\n', "must be > 0"),
-    ('[[client]]\nspeed = "fast"\n', "speed: Input should be a valid number"),
-    ('[[client]]\ndropout = 1.5\n', r"dropout must be in \[0, 1\)"),
-    ('[[client]]\nmix = "moon"\n', "unknown profile mix"),
-    ('[[client]]\nmix = "mobile"\nspeed = 1.0\n', "only count and mix"),
-    ('speed = 1.0\n', "expected one or more"),
-    ('[[client]\n', "Expected"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("[[client]]\ncount = 2\nsped = 1.0\n", "sped: Extra inputs are not permitted"),
+        ("[[client]]\ncount = 0\n", "count must be a positive integer"),
+        ("[[client]]\nspeed = -1.0\n", "must be > 0"),
+        ('[[client]]\nspeed = "fast"\n', "speed: Input should be a valid number"),
+        ("[[client]]\ndropout = 1.5\n", r"dropout must be in \[0, 1\)"),
+        ('[[client]]\nmix = "moon"\n', "unknown profile mix"),
+        ('[[client]]\nmix = "mobile"\nspeed = 1.0\n', "only count and mix"),
+        ("speed = 1.0\n", "expected one or more"),
+        ("[[client]\n", "Expected"),
+    ],
+)
 def test_bad_profile_files_say_what_and_where(tmp_path, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
@@ -66,7 +71,9 @@ def test_resolve_profiles_forms():
         resolve_profiles("no-such-thing", 2)
     with pytest.raises(ProfileError):
         resolve_profiles("[1, 2]", 2)
-    assert ClientProfile.from_mapping(json.loads(ClientProfile().to_json())) == ClientProfile()  # inf survives JSON
+    assert (
+        ClientProfile.from_mapping(json.loads(ClientProfile().to_json())) == ClientProfile()
+    )  # inf survives JSON
 
 
 def test_availability_windows_and_dropouts():

@@ -17,18 +17,21 @@ def test_shipped_scenarios_load_and_the_default_exists():
     assert load_scenario("real-links").sim.clock == "real"
 
 
-@pytest.mark.parametrize("text,message", [
-    ('clients = 2\nbogus = 1\n', "unknown keys"),
-    ('clients = 2\n[run]\nnum_rounds = 3\n', "num_rounds: Extra inputs are not permitted"),
-    ('clients = 2\n[run]\nversions = "many"\n', "versions: Input should be a valid integer"),
-    ('clients = 0\n', "clients must be a positive integer"),
-    ('clients = 2\nseeds = []\n', "seeds must be"),
-    ('clients = 2\n[run]\nclock = "sundial"\n', "clock must be"),
-    ('clients = 2\n[run]\nprofiles = "nowhere"\n', "neither a mix"),
-    ('clients = 2\n[run]\nprofiles = "mobile"\n[[client]]\nspeed = 1.0\n', "not both"),
-    ('[[client]]\nspeed = 0.0\n', "must be > 0"),
-    ('clients = 2\n[run\n', "Expected"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("clients = 2\nbogus = 1\n", "unknown keys"),
+        ("clients = 2\n[run]\nnum_rounds = 3\n", "num_rounds: Extra inputs are not permitted"),
+        ('clients = 2\n[run]\nversions = "many"\n', "versions: Input should be a valid integer"),
+        ("clients = 0\n", "clients must be a positive integer"),
+        ("clients = 2\nseeds = []\n", "seeds must be"),
+        ('clients = 2\n[run]\nclock = "sundial"\n', "clock must be"),
+        ('clients = 2\n[run]\nprofiles = "nowhere"\n', "neither a mix"),
+        ('clients = 2\n[run]\nprofiles = "mobile"\n[[client]]\nspeed = 1.0\n', "not both"),
+        ("[[client]]\nspeed = 0.0\n", "must be > 0"),
+        ("clients = 2\n[run\n", "Expected"),
+    ],
+)
 def test_bad_scenarios_say_what_and_where(tmp_path, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
@@ -43,7 +46,7 @@ def test_unknown_scenario_names_list_the_shipped_ones():
 
 
 def test_profile_file_beside_the_scenario(tmp_path):
-    (tmp_path / "clients.toml").write_text('[[client]]\ncount = 2\nspeed = 0.5\n')
+    (tmp_path / "clients.toml").write_text("[[client]]\ncount = 2\nspeed = 0.5\n")
     (tmp_path / "s.toml").write_text('clients = 4\n[run]\nprofiles = "clients.toml"\n')
     s = load_scenario(str(tmp_path / "s.toml"))
     assert [p.speed for p in resolve_profiles(s.sim.profiles, 4)] == [0.5] * 4
@@ -56,7 +59,7 @@ def test_a_small_scenario_runs_end_to_end_under_flower_simulation(tmp_path):
     from fedrl.cli.main import main
 
     path = tmp_path / "small.toml"
-    path.write_text(f'''
+    path.write_text(f"""
 name = "small"
 description = "two clients, virtual clock"
 clients = 2
@@ -82,7 +85,7 @@ speed = 0.25
 up_bytes_s = 1e5
 down_bytes_s = 4e5
 latency_s = 0.05
-''')
+""")
     out = tmp_path / "out"
     assert main(["sim", "--scenario", str(path), "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -91,7 +94,9 @@ latency_s = 0.05
     profiles = sorted(c["profile"] for c in summary["clients"].values())
     assert profiles == ["fast", "slow"]
     fast, slow = (next(c for c in summary["clients"].values() if c["profile"] == p) for p in ("fast", "slow"))
-    assert fast["messages"] > slow["messages"]  # virtual time, not Ray's scheduling, decides who gets more rounds
+    assert (
+        fast["messages"] > slow["messages"]
+    )  # virtual time, not Ray's scheduling, decides who gets more rounds
     for name in ("metric_vs_time.png", "bytes_vs_time.png", "staleness_histogram.png", "client_timeline.png"):
         assert (out / name).stat().st_size > 5000
     page = (out / "report.html").read_text()

@@ -3,8 +3,15 @@ import torch
 
 from fedrl.patch import apply_patch, encode_patch
 from fedrl.signing import (
-    ForgedPatch, UnsignedPatch, generate_signing_key, load_private_key, load_public_key, public_key_pem,
-    save_private_key, sign_patch, verify_signed_patch,
+    ForgedPatch,
+    UnsignedPatch,
+    generate_signing_key,
+    load_private_key,
+    load_public_key,
+    public_key_pem,
+    save_private_key,
+    sign_patch,
+    verify_signed_patch,
 )
 
 

@@ -10,18 +10,42 @@ from flwr.common.constant import ErrorCode
 
 from fedrl.sim.simulated_client import STAMP, Stamp, simulated_client
 
-
-INSTRUCTION = dict(action="train", mode="parablock", block=0, steps=2, version=0, store_url="http://127.0.0.1:1",
-                   principal="node-1", token="t", public_key="", model="tiny-base", task="reversal",
-                   task_params="{}", num_blocks=3, lora_rank=8, lora_alpha=16.0, lr=1e-3, prompts=2, samples=2,
-                   method="dg", seed=0, client_id=3, data_shards=4, round=1)
+INSTRUCTION = dict(
+    action="train",
+    mode="parablock",
+    block=0,
+    steps=2,
+    version=0,
+    store_url="http://127.0.0.1:1",
+    principal="node-1",
+    token="t",
+    public_key="",
+    model="tiny-base",
+    task="reversal",
+    task_params="{}",
+    num_blocks=3,
+    lora_rank=8,
+    lora_alpha=16.0,
+    lr=1e-3,
+    prompts=2,
+    samples=2,
+    method="dg",
+    seed=0,
+    client_id=3,
+    data_shards=4,
+    round=1,
+)
 
 
 def _message(profile: dict) -> Message:
-    content = RecordDict({
-        "instruction": ConfigRecord(INSTRUCTION),
-        STAMP: ConfigRecord(Stamp(profile=json.dumps(profile), clock="virtual", step_s=1.0, now_s=0.0).to_record()),
-    })
+    content = RecordDict(
+        {
+            "instruction": ConfigRecord(INSTRUCTION),
+            STAMP: ConfigRecord(
+                Stamp(profile=json.dumps(profile), clock="virtual", step_s=1.0, now_s=0.0).to_record()
+            ),
+        }
+    )
     return Message(content, dst_node_id=1, message_type="train.block")
 
 

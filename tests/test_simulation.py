@@ -22,7 +22,9 @@ class ChurnView:
 
     def push_messages(self, msgs):
         for m in msgs:
-            self.client_ids.setdefault(m.metadata.dst_node_id, set()).add(m.content["instruction"]["client_id"])
+            self.client_ids.setdefault(m.metadata.dst_node_id, set()).add(
+                m.content["instruction"]["client_id"]
+            )
         return self.grid.push_messages(msgs)
 
     def pull_messages(self, ids):
@@ -32,17 +34,19 @@ class ChurnView:
 
 
 def test_run_simulation_survives_churn_and_dropouts(tmp_path):
+    from fake_grid import small_config
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
-    from fake_grid import small_config
     from fedrl.sim.apps import client_app
     from fedrl.sim.runner import ray_backend
     from fedrl.sim.simulated_server import SimConfig, run_simulated
 
-    profiles = [{"name": "steady", "speed": 1.0, "up_bytes_s": 2e6, "down_bytes_s": 4e6, "latency_s": 0.01},
-                {"name": "churner", "speed": 0.5, "up_bytes_s": 5e5, "down_bytes_s": 1e6, "latency_s": 0.05},
-                {"name": "flaky", "speed": 1.0, "dropout": 0.5}]
+    profiles = [
+        {"name": "steady", "speed": 1.0, "up_bytes_s": 2e6, "down_bytes_s": 4e6, "latency_s": 0.01},
+        {"name": "churner", "speed": 0.5, "up_bytes_s": 5e5, "down_bytes_s": 1e6, "latency_s": 0.05},
+        {"name": "flaky", "speed": 1.0, "dropout": 0.5},
+    ]
     cfg = small_config(tmp_path, mode="parablock", sync=False, versions=6, buffer_size=1, min_nodes=3)
     sim = SimConfig(clock="virtual", step_s=0.05, profiles=json.dumps(profiles))
     results, views = [], []

@@ -43,7 +43,9 @@ def test_addition_rewards_on_known_cases():
     assert task.reward(p, "23 + 45 = 58") == 0.0
     assert task.reward(p, "sixty-eight") == 0.0
     assert stated_answer("1,234") == 1234
-    assert all(int(q.target) == sum(map(int, q.prompt.split("?")[0].split()[2::2])) for q in task.eval_problems())
+    assert all(
+        int(q.target) == sum(map(int, q.prompt.split("?")[0].split()[2::2])) for q in task.eval_problems()
+    )
 
 
 def test_digits_bandit_reward_and_split():

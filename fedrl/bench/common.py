@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from tqdm import tqdm
 

@@ -51,8 +51,13 @@ def run_reversal(case: dict) -> dict:
         actor.sync(dict(learner_lm.model.named_parameters()), step)
         if step % case["eval_every"] == 0 or step == steps:
             curve.append([step * PROMPTS * SAMPLES, greedy_error(learner_lm, task)])
-    return {**_meta(case, "reversal"), "episodes": steps * PROMPTS * SAMPLES, "final_error": curve[-1][1],
-            "curve": curve, "wall_s": time.perf_counter() - start}
+    return {
+        **_meta(case, "reversal"),
+        "episodes": steps * PROMPTS * SAMPLES,
+        "final_error": curve[-1][1],
+        "curve": curve,
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def run_digits(case: dict) -> dict:
@@ -76,19 +81,35 @@ def run_digits(case: dict) -> dict:
         action = torch.multinomial(behaviour_all.exp(), 1, generator=gen)
         reward = (action.squeeze(1) == y).float()
         logp = torch.log_softmax(policy(x), -1).gather(1, action)
-        batch = PGBatch(logp, reward, torch.zeros(batch_size, dtype=torch.long), torch.ones_like(logp),
-                        behaviour_all.gather(1, action))
+        batch = PGBatch(
+            logp,
+            reward,
+            torch.zeros(batch_size, dtype=torch.long),
+            torch.ones_like(logp),
+            behaviour_all.gather(1, action),
+        )
         learner.update(batch)
         buffer.push({k: v.clone() for k, v in policy.state_dict().items()})
         if step % case["eval_every"] == 0 or step == steps:
             with torch.no_grad():
                 curve.append([step * batch_size, (policy(x_eval).argmax(-1) != y_eval).float().mean().item()])
-    return {**_meta(case, f"staleness-{stale}"), "task": "digits", "episodes": steps * batch_size,
-            "final_error": curve[-1][1], "curve": curve, "wall_s": time.perf_counter() - start}
+    return {
+        **_meta(case, f"staleness-{stale}"),
+        "task": "digits",
+        "episodes": steps * batch_size,
+        "final_error": curve[-1][1],
+        "curve": curve,
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def _meta(case: dict, scenario: str) -> dict:
-    return {"task": "reversal", "scenario": case.get("scenario", scenario), "method": case["method"], "seed": case["seed"]}
+    return {
+        "task": "reversal",
+        "scenario": case.get("scenario", scenario),
+        "method": case["method"],
+        "seed": case["seed"],
+    }
 
 
 def run_case(case: dict) -> dict:
@@ -102,12 +123,25 @@ def plan(quick: bool, steps: int | None, seeds: int | None, digits_steps: int | 
     digits_steps = digits_steps or (200 if quick else 3000)
     staleness = [0, 100] if quick else [0, 10, 100, 1000]
     cases = [
-        {"task": "reversal", "scenario": s, "method": m, "seed": seed, "steps": steps, "eval_every": max(steps // 10, 1)}
+        {
+            "task": "reversal",
+            "scenario": s,
+            "method": m,
+            "seed": seed,
+            "steps": steps,
+            "eval_every": max(steps // 10, 1),
+        }
         for s, m, seed in itertools.product(scenarios, METHODS, range(seeds))
     ]
     cases += [
-        {"task": "digits", "staleness": d, "method": m, "seed": seed, "steps": digits_steps,
-         "eval_every": max(digits_steps // 10, 1)}
+        {
+            "task": "digits",
+            "staleness": d,
+            "method": m,
+            "seed": seed,
+            "steps": digits_steps,
+            "eval_every": max(digits_steps // 10, 1),
+        }
         for d, m, seed in itertools.product(staleness, METHODS, range(seeds))
     ]
     return cases
@@ -120,7 +154,11 @@ def table(results: list[dict]) -> str:
     for task, scenario in rows:
         cells = []
         for m in METHODS:
-            errs = [r["final_error"] for r in results if (r["task"], r["scenario"], r["method"]) == (task, scenario, m)]
+            errs = [
+                r["final_error"]
+                for r in results
+                if (r["task"], r["scenario"], r["method"]) == (task, scenario, m)
+            ]
             cells.append(f"{100 * np.mean(errs):12.1f}%" if errs else f"{'-':>13}")
         lines.append(f"{task:9} {scenario:15} " + " ".join(cells))
     return "\n".join(lines)
@@ -147,7 +185,7 @@ def plot(results: list[dict], path) -> None:
         ax.set_ylabel("greedy error")
         ax.set_ylim(-0.02, 1.02)
     axes.flat[0].legend(fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -157,20 +195,32 @@ def plot(results: list[dict], path) -> None:
 def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, help="reversal learner steps per run (default 1000; quick 60)")
     parser.add_argument("--seeds", type=int, help="seeds per (scenario, method) (default 3; quick 1)")
-    parser.add_argument("--digits-steps", type=int, help="digits bandit steps per run (default 3000; quick 200)")
+    parser.add_argument(
+        "--digits-steps", type=int, help="digits bandit steps per run (default 3000; quick 200)"
+    )
 
 
 def main(args) -> int:
     cases = plan(args.quick, args.steps, args.seeds, args.digits_steps)
     start = time.perf_counter()
     results = run_cases(run_case, cases, args.workers, "bench dg")
-    out = write_json({
-        "benchmark": "dg", "quick": args.quick, "wall_s": time.perf_counter() - start,
-        "scenarios": {k: asdict(v) for k, v in SCENARIOS.items()},
-        "setup": {"reversal": "H=10 M=2, tiny Llama 3 layers d=64 from scratch, 10x10 per step, Adam 3e-4, reward to first error",
-                  "digits": "MLP 64-100-10, batch 100, Adam 1e-3, actor weights D steps stale"},
-        "results": results,
-    }, args.out)
+    out = write_json(
+        {
+            "benchmark": "dg",
+            "quick": args.quick,
+            "wall_s": time.perf_counter() - start,
+            "scenarios": {k: asdict(v) for k, v in SCENARIOS.items()},
+            "setup": {
+                "reversal": (
+                    "H=10 M=2, tiny Llama 3 layers d=64 from scratch, 10x10 per step, Adam 3e-4, "
+                    "reward to first error"
+                ),
+                "digits": "MLP 64-100-10, batch 100, Adam 1e-3, actor weights D steps stale",
+            },
+            "results": results,
+        },
+        args.out,
+    )
     plot(results, out.with_suffix(".png"))
     print(table(results))
     print(f"wrote {out} and {out.with_suffix('.png')}")

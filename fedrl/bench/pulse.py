@@ -25,8 +25,17 @@ from fedrl.rollout import rollout, score
 from fedrl.tasks import AdditionTask, ReversalTask
 
 
-def bf16_trajectory(lm, task, params: dict[str, torch.nn.Parameter], lr: float, steps: int,
-                    prompts: int, samples: int, seed: int, desc: str) -> list[dict]:
+def bf16_trajectory(
+    lm,
+    task,
+    params: dict[str, torch.nn.Parameter],
+    lr: float,
+    steps: int,
+    prompts: int,
+    samples: int,
+    seed: int,
+    desc: str,
+) -> list[dict]:
     """bf16 casts of `params` before training and after each DG step."""
     torch.manual_seed(seed)
     for p in lm.model.parameters():
@@ -57,13 +66,26 @@ def measure(name: str, lr: float, k: int, traj: list[dict], level: int, timed: b
         identical &= state_hash(apply_patch(base, patch)) == state_hash(new)
         sparsity.append(1 - changed / numel)
         patch_bytes.append(len(patch))
-        zstd_bytes.append(sum(len(zstandard.ZstdCompressor(level=level).compress(to_bits(t).tobytes())) for t in new.values()))
+        zstd_bytes.append(
+            sum(
+                len(zstandard.ZstdCompressor(level=level).compress(to_bits(t).tobytes()))
+                for t in new.values()
+            )
+        )
         coo_bytes.append(max(changed * (4 + 4 + 2), 1))  # int32 row, int32 col, bf16 value (PULSE's baseline)
     case = {
-        "name": name, "dtype": "bfloat16", "lr": lr, "k": k, "pairs": len(pairs), "dense_bytes": dense,
-        "patch_bytes": float(np.mean(patch_bytes)), "sparsity": float(np.mean(sparsity)),
-        "ratio": dense / float(np.mean(patch_bytes)), "ratio_zstd_dense": dense / float(np.mean(zstd_bytes)),
-        "ratio_raw_coo": dense / float(np.mean(coo_bytes)), "bit_identical": bool(identical),
+        "name": name,
+        "dtype": "bfloat16",
+        "lr": lr,
+        "k": k,
+        "pairs": len(pairs),
+        "dense_bytes": dense,
+        "patch_bytes": float(np.mean(patch_bytes)),
+        "sparsity": float(np.mean(sparsity)),
+        "ratio": dense / float(np.mean(patch_bytes)),
+        "ratio_zstd_dense": dense / float(np.mean(zstd_bytes)),
+        "ratio_raw_coo": dense / float(np.mean(coo_bytes)),
+        "bit_identical": bool(identical),
     }
     if timed:
         case.update(throughput(traj[pairs[0][0]], traj[pairs[0][1]], level, dense))
@@ -99,7 +121,9 @@ def tiny_cases(lrs, ks, steps, level) -> list[dict]:
     cases = []
     for lr in lrs:
         lm = load_model("tiny-base")
-        traj = bf16_trajectory(lm, task, dict(lm.model.named_parameters()), lr, steps, 10, 10, 0, f"tiny lr={lr:g}")
+        traj = bf16_trajectory(
+            lm, task, dict(lm.model.named_parameters()), lr, steps, 10, 10, 0, f"tiny lr={lr:g}"
+        )
         cases += [measure("tiny-full", lr, k, traj, level, timed=True) for k in ks if k < len(traj)]
     return cases
 
@@ -131,16 +155,23 @@ def smollm2_cases(lrs, ks, steps, level, layers=range(0, 6)) -> list[dict]:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--level", type=int, default=1, help="zstd level")
-    parser.add_argument("--smollm2-steps", type=int, default=16, help="DG steps per lr on SmolLM2 (full mode)")
+    parser.add_argument(
+        "--smollm2-steps", type=int, default=16, help="DG steps per lr on SmolLM2 (full mode)"
+    )
 
 
 def table(cases: list[dict]) -> str:
-    head = f"{'case':20} {'lr':>7} {'k':>3} {'sparsity':>9} {'ratio':>8} {'zstd':>6} {'coo':>7} {'enc MB/s':>9} {'dec MB/s':>9} {'memcpy':>8} {'exact':>6}"
+    head = (
+        f"{'case':20} {'lr':>7} {'k':>3} {'sparsity':>9} {'ratio':>8} {'zstd':>6} {'coo':>7} "
+        f"{'enc MB/s':>9} {'dec MB/s':>9} {'memcpy':>8} {'exact':>6}"
+    )
     rows = [head]
     for c in cases:
-        rows.append(f"{c['name']:20} {c['lr']:7.0e} {c['k']:3d} {100 * c['sparsity']:8.2f}% {c['ratio']:8.1f} "
-                    f"{c['ratio_zstd_dense']:6.2f} {c['ratio_raw_coo']:7.1f} {c.get('encode_mb_s', 0):9.0f} "
-                    f"{c.get('decode_mb_s', 0):9.0f} {c.get('memcpy_mb_s', 0):8.0f} {str(c['bit_identical']):>6}")
+        rows.append(
+            f"{c['name']:20} {c['lr']:7.0e} {c['k']:3d} {100 * c['sparsity']:8.2f}% {c['ratio']:8.1f} "
+            f"{c['ratio_zstd_dense']:6.2f} {c['ratio_raw_coo']:7.1f} {c.get('encode_mb_s', 0):9.0f} "
+            f"{c.get('decode_mb_s', 0):9.0f} {c.get('memcpy_mb_s', 0):8.0f} {str(c['bit_identical']):>6}"
+        )
     return "\n".join(rows)
 
 
@@ -154,7 +185,9 @@ def plot(cases: list[dict], path) -> None:
     for i, (name, lr) in enumerate(sorted({(c["name"], c["lr"]) for c in cases})):
         cs = sorted((c for c in cases if (c["name"], c["lr"]) == (name, lr)), key=lambda c: c["k"])
         ks = [c["k"] for c in cs]
-        axes[0].plot(ks, [100 * c["sparsity"] for c in cs], "o-", color=f"C{i % 10}", label=f"{name} lr={lr:g}")
+        axes[0].plot(
+            ks, [100 * c["sparsity"] for c in cs], "o-", color=f"C{i % 10}", label=f"{name} lr={lr:g}"
+        )
         axes[1].plot(ks, [c["ratio"] for c in cs], "o-", color=f"C{i % 10}")
     for ax, label in zip(axes, ("sparsity (% unchanged bf16 values)", "compression ratio (dense / patch)")):
         ax.set_xscale("log", base=2)
@@ -178,7 +211,9 @@ def main(args) -> int:
         cases += lora_cases([1e-5, 1e-4, 1e-3], ks, 64, args.level)
         ks_smol = [k for k in ks if k < args.smollm2_steps]
         cases += smollm2_cases([1e-6, 3e-6], ks_smol, args.smollm2_steps, args.level)
-    out = write_json({"benchmark": "pulse", "quick": args.quick, "level": args.level, "cases": cases}, args.out)
+    out = write_json(
+        {"benchmark": "pulse", "quick": args.quick, "level": args.level, "cases": cases}, args.out
+    )
     plot(cases, out.with_suffix(".png"))
     print(table(cases))
     print(f"wrote {out} and {out.with_suffix('.png')}")

@@ -22,4 +22,13 @@ def get_task(name: str, **params) -> Task:
         raise ValueError(f"bad parameters for task {name!r}: {err}") from None
 
 
-__all__ = ["AdditionTask", "DigitsBandit", "Problem", "ReversalTask", "Task", "TASKS", "error_rate", "get_task"]
+__all__ = [
+    "AdditionTask",
+    "DigitsBandit",
+    "Problem",
+    "ReversalTask",
+    "Task",
+    "TASKS",
+    "error_rate",
+    "get_task",
+]

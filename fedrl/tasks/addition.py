@@ -52,8 +52,10 @@ class AdditionTask:
     def eval_problems(self) -> list[Problem]:
         return self.sample(self.num_eval, np.random.default_rng(EVAL_SEED))
 
-    def client_split(self, num_clients: int, client_id: int) -> "AdditionTask":
+    def client_split(self, num_clients: int, client_id: int) -> AdditionTask:
         """Client i draws operands from its own slice of [low, high]: different difficulties."""
         check_client(num_clients, client_id)
         edges = np.linspace(self.low, self.high + 1, num_clients + 1).astype(int)
-        return replace(self, low=int(edges[client_id]), high=int(max(edges[client_id], edges[client_id + 1] - 1)))
+        return replace(
+            self, low=int(edges[client_id]), high=int(max(edges[client_id], edges[client_id + 1] - 1))
+        )

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -34,7 +35,7 @@ class Task(Protocol):
 
     def eval_problems(self) -> list[Problem]: ...
 
-    def client_split(self, num_clients: int, client_id: int) -> "Task": ...
+    def client_split(self, num_clients: int, client_id: int) -> Task: ...
 
 
 def error_rate(task: Task, problems: Sequence[Problem], answers: Sequence[Any]) -> float:

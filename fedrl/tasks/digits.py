@@ -68,7 +68,7 @@ class DigitsBandit:
         _, _, x, y = _digits()
         return x, y
 
-    def client_split(self, num_clients: int, client_id: int) -> "DigitsBandit":
+    def client_split(self, num_clients: int, client_id: int) -> DigitsBandit:
         """Label skew: client i mostly sees a window of consecutive classes."""
         check_client(num_clients, client_id)
         width = max(2, int(np.ceil(10 / num_clients)) + 1)

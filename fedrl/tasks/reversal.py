@@ -74,11 +74,14 @@ class ReversalTask:
     def eval_problems(self) -> list[Problem]:
         """All 2**H prompts when that is at most num_eval (M=2, H=10: all 1,024), else a fixed sample."""
         if self.num_symbols**self.length <= self.num_eval:
-            prompts = [np.base_repr(i, self.num_symbols).zfill(self.length) for i in range(self.num_symbols**self.length)]
+            prompts = [
+                np.base_repr(i, self.num_symbols).zfill(self.length)
+                for i in range(self.num_symbols**self.length)
+            ]
             return [Problem(p, p[::-1]) for p in prompts]
         return replace(self, symbol_probs=None).sample(self.num_eval, np.random.default_rng(EVAL_SEED))
 
-    def client_split(self, num_clients: int, client_id: int) -> "ReversalTask":
+    def client_split(self, num_clients: int, client_id: int) -> ReversalTask:
         """Client i sees symbol frequencies skewed by its position: a label-skew-like non-IID split."""
         check_client(num_clients, client_id)
         if num_clients == 1:

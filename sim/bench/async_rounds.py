@@ -25,11 +25,18 @@ STRATEGIES = {
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--target", type=float, default=0.3, help="held-out greedy error to reach (start: 0.69)")
+    parser.add_argument(
+        "--target", type=float, default=0.3, help="held-out greedy error to reach (start: 0.69)"
+    )
     parser.add_argument("--profile", default="mixed-volunteers", help="profile mix or file")
     parser.add_argument("--clients", type=int, help="clients (default 12; quick 6)")
     parser.add_argument("--budget-s", type=float, help="virtual seconds per strategy (default 300; quick 12)")
-    parser.add_argument("--deadline-s", type=float, default=20.0, help="round deadline (virtual s) for stragglers and dropouts")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=20.0,
+        help="round deadline (virtual s) for stragglers and dropouts",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=["local", "ray"], default="local")
 
@@ -43,12 +50,22 @@ def main(args) -> int:
     budget = args.budget_s or (12.0 if args.quick else 300.0)
     sim = SimConfig(profiles=args.profile, clock="virtual")
     base = RunConfig(
-        model="tiny-base", task="reversal",
+        model="tiny-base",
+        task="reversal",
         task_params=json.dumps({"length": 8, "num_eval": 64 if args.quick else 256}),
-        prompts=4 if args.quick else 8, samples=4 if args.quick else 8, lr=5e-4,
-        versions=10_000, max_time_s=budget, buffer_size=max(2, clients // 2), max_staleness=8,
-        deadline_s=args.deadline_s, eval_every=2 if args.quick else 1, min_nodes=clients, seed=args.seed,
-        stall_replies=10_000, target_error=args.target,  # a strategy stops once it reaches the target
+        prompts=4 if args.quick else 8,
+        samples=4 if args.quick else 8,
+        lr=5e-4,
+        versions=10_000,
+        max_time_s=budget,
+        buffer_size=max(2, clients // 2),
+        max_staleness=8,
+        deadline_s=args.deadline_s,
+        eval_every=2 if args.quick else 1,
+        min_nodes=clients,
+        seed=args.seed,
+        stall_replies=10_000,
+        target_error=args.target,  # a strategy stops once it reaches the target
     )
     start = time.perf_counter()
     results, step_s = [], 0.0
@@ -60,29 +77,60 @@ def main(args) -> int:
         print(f"[{name}] {clients} clients, {budget:g} virtual s")
         s = simulate(cfg, sim.replace(step_s=step_s), clients, engine=args.engine)
         write_report(s, runs / name)
-        step_s = s["simulation"]["step_s"]  # the first strategy's calibration is every strategy's unit of work
-        results.append({
-            "name": name, "time_to_target_s": time_to_target(s["evals"], args.target), "final_eval": s["final_eval"],
-            "initial_eval": s["initial_eval"], "bytes_up": s["bytes_up"] / clients, "bytes_down": s["bytes_down"] / clients,
-            "versions": s["versions"], "virtual_s": s["time_s"], "counts": s["counts"],
-            "curve": [(e["t"], e["error"]) for e in s["evals"]],
-        })
+        step_s = s["simulation"][
+            "step_s"
+        ]  # the first strategy's calibration is every strategy's unit of work
+        results.append(
+            {
+                "name": name,
+                "time_to_target_s": time_to_target(s["evals"], args.target),
+                "final_eval": s["final_eval"],
+                "initial_eval": s["initial_eval"],
+                "bytes_up": s["bytes_up"] / clients,
+                "bytes_down": s["bytes_down"] / clients,
+                "versions": s["versions"],
+                "virtual_s": s["time_s"],
+                "counts": s["counts"],
+                "curve": [(e["t"], e["error"]) for e in s["evals"]],
+            }
+        )
     by_name = {r["name"]: r for r in results}
     ref = by_name["fedavg-lora"]
     for r in results:
         t, t_ref = r["time_to_target_s"], ref["time_to_target_s"]
         r["speedup_vs_fedavg"] = (t_ref / t) if t and t_ref else None
-        r["bytes_ratio_vs_fedavg"] = (ref["bytes_up"] + ref["bytes_down"]) / max(1, r["bytes_up"] + r["bytes_down"])
-    out = write_json({"benchmark": "async", "quick": args.quick, "target": args.target, "profile": args.profile,
-                      "clients": clients, "budget_s": budget, "deadline_s": args.deadline_s, "step_s": step_s,
-                      "engine": args.engine, "wall_s": time.perf_counter() - start, "strategies": results}, args.out)
+        r["bytes_ratio_vs_fedavg"] = (ref["bytes_up"] + ref["bytes_down"]) / max(
+            1, r["bytes_up"] + r["bytes_down"]
+        )
+    out = write_json(
+        {
+            "benchmark": "async",
+            "quick": args.quick,
+            "target": args.target,
+            "profile": args.profile,
+            "clients": clients,
+            "budget_s": budget,
+            "deadline_s": args.deadline_s,
+            "step_s": step_s,
+            "engine": args.engine,
+            "wall_s": time.perf_counter() - start,
+            "strategies": results,
+        },
+        args.out,
+    )
     plot(results, args.target, out.with_suffix(".png"))
-    print(f"{'strategy':17} {'to target':>10} {'final':>6} {'kB up/client':>13} {'kB down/client':>15} {'speedup':>8} {'bytes x':>8}")
+    print(
+        f"{'strategy':17} {'to target':>10} {'final':>6} {'kB up/client':>13} {'kB down/client':>15} "
+        f"{'speedup':>8} {'bytes x':>8}"
+    )
     for r in results:
         t = f"{r['time_to_target_s']:.1f}s" if r["time_to_target_s"] is not None else "never"
         sp = f"{r['speedup_vs_fedavg']:.2f}x" if r["speedup_vs_fedavg"] else "-"
-        print(f"{r['name']:17} {t:>10} {r['final_eval']:6.3f} {r['bytes_up'] / 1e3:13.0f} {r['bytes_down'] / 1e3:15.0f} "
-              f"{sp:>8} {r['bytes_ratio_vs_fedavg']:7.1f}x")
+        print(
+            f"{r['name']:17} {t:>10} {r['final_eval']:6.3f} {r['bytes_up'] / 1e3:13.0f} "
+            f"{r['bytes_down'] / 1e3:15.0f} "
+            f"{sp:>8} {r['bytes_ratio_vs_fedavg']:7.1f}x"
+        )
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

@@ -20,10 +20,10 @@ from fedrl.clients.block_worker import ClientState, Pending, handle
 from fedrl.clients.model_cache import ModelCache
 from fedrl.clients.runtime import use_runtime
 from fedrl.credentials import ADMIN, new_secret, node_principal, token_for
+from fedrl.link import CHUNK
 from fedrl.patch_chain import PatchPublisher
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import TrainInstruction
-from fedrl.link import CHUNK
 from fedrl.signing import generate_signing_key, public_key_pem
 from fedrl.sim.link import LinkProfile
 from fedrl.sim.profiles import ClientProfile
@@ -58,10 +58,27 @@ class Federation:
 
     def instruction(self, mode: str, steps: int) -> TrainInstruction:
         return TrainInstruction(
-            action="train", mode=mode, block=BLOCK, steps=steps, version=1, store_url=self.server.url,
-            principal=node_principal(1), token=token_for(self.secret, node_principal(1)), public_key=self.public_key,
-            model="tiny-base", task="reversal", task_params=json.dumps({"length": 8}), num_blocks=NUM_BLOCKS,
-            lora_rank=8, lora_alpha=16.0, lr=5e-4, prompts=8, samples=8, method="dg", seed=0, client_id=0,
+            action="train",
+            mode=mode,
+            block=BLOCK,
+            steps=steps,
+            version=1,
+            store_url=self.server.url,
+            principal=node_principal(1),
+            token=token_for(self.secret, node_principal(1)),
+            public_key=self.public_key,
+            model="tiny-base",
+            task="reversal",
+            task_params=json.dumps({"length": 8}),
+            num_blocks=NUM_BLOCKS,
+            lora_rank=8,
+            lora_alpha=16.0,
+            lr=5e-4,
+            prompts=8,
+            samples=8,
+            method="dg",
+            seed=0,
+            client_id=0,
             data_shards=1,
         )
 
@@ -70,7 +87,9 @@ class Federation:
         step_s > 0: on the virtual clock, each step charged step_s."""
         state = self.state if mode == "parablock" else ClientState(self.state.local, self.state.held, 0, None)
         link = link or LinkProfile()
-        profile = ClientProfile(up_bytes_s=link.up_bytes_s, down_bytes_s=link.down_bytes_s, latency_s=link.latency_s)
+        profile = ClientProfile(
+            up_bytes_s=link.up_bytes_s, down_bytes_s=link.down_bytes_s, latency_s=link.latency_s
+        )
         # the simulated client's runtime: shaped links on the wall clock, or virtual time at step_s per step
         with use_runtime(SimulatedRuntime(profile, virtual=step_s > 0, step_s=step_s or 1.0)):
             report, _ = handle(self.instruction(mode, steps), state, self.models)
@@ -101,8 +120,14 @@ def measure(fed: Federation, ratios: list[float], steps: int, repeats: int) -> l
         best_par = min(par, key=lambda r: r.duration_s)
         # the ideal for the overlapped round is max of its own compute and its own transfers
         # (the sequential round moves a different pending delta and opens a second session)
-        real = _case("real", ratio, min(r.duration_s for r in seq), best_par.duration_s, best_par.compute_s,
-                     best_par.comm_s)
+        real = _case(
+            "real",
+            ratio,
+            min(r.duration_s for r in seq),
+            best_par.duration_s,
+            best_par.compute_s,
+            best_par.comm_s,
+        )
         # what the token buckets allow at best (each may bank one chunk while idle): load only adds to it
         real["min_comm_s"] = sum(max(0, n - CHUNK) / rate for n in (best_par.bytes_up, best_par.bytes_down))
         cases.append(real)
@@ -111,14 +136,24 @@ def measure(fed: Federation, ratios: list[float], steps: int, repeats: int) -> l
 
 def _case(mode: str, ratio: float, sequential: float, overlapped: float, compute: float, comm: float) -> dict:
     ideal = max(compute, comm)
-    return {"mode": mode, "comm_compute_ratio": ratio, "round_s_sequential": sequential,
-            "round_s_overlapped": overlapped, "ideal_s": ideal, "compute_s": compute, "comm_s": comm,
-            "speedup": sequential / overlapped, "efficiency": ideal / overlapped}
+    return {
+        "mode": mode,
+        "comm_compute_ratio": ratio,
+        "round_s_sequential": sequential,
+        "round_s_overlapped": overlapped,
+        "ideal_s": ideal,
+        "compute_s": compute,
+        "comm_s": comm,
+        "speedup": sequential / overlapped,
+        "efficiency": ideal / overlapped,
+    }
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, help="local DG steps per round (default 12; quick 6)")
-    parser.add_argument("--repeats", type=int, help="rounds per case, the fastest counts (default 2; quick 1)")
+    parser.add_argument(
+        "--repeats", type=int, help="rounds per case, the fastest counts (default 2; quick 1)"
+    )
 
 
 def main(args) -> int:
@@ -132,13 +167,27 @@ def main(args) -> int:
         cases = measure(fed, ratios, steps, repeats)
     finally:
         fed.close()
-    out = write_json({"benchmark": "overlap", "quick": args.quick, "steps": steps, "wall_s": time.perf_counter() - start,
-                      "cases": cases}, args.out)
+    out = write_json(
+        {
+            "benchmark": "overlap",
+            "quick": args.quick,
+            "steps": steps,
+            "wall_s": time.perf_counter() - start,
+            "cases": cases,
+        },
+        args.out,
+    )
     plot(cases, out.with_suffix(".png"))
-    print(f"{'mode':8} {'ratio':>6} {'sequential':>11} {'overlapped':>11} {'ideal':>7} {'speedup':>8} {'efficiency':>10}")
+    print(
+        f"{'mode':8} {'ratio':>6} {'sequential':>11} {'overlapped':>11} {'ideal':>7} {'speedup':>8} "
+        f"{'efficiency':>10}"
+    )
     for c in cases:
-        print(f"{c['mode']:8} {c['comm_compute_ratio']:6.2f} {c['round_s_sequential']:10.2f}s {c['round_s_overlapped']:10.2f}s "
-              f"{c['ideal_s']:6.2f}s {c['speedup']:7.2f}x {c['efficiency']:10.2f}")
+        print(
+            f"{c['mode']:8} {c['comm_compute_ratio']:6.2f} {c['round_s_sequential']:10.2f}s "
+            f"{c['round_s_overlapped']:10.2f}s "
+            f"{c['ideal_s']:6.2f}s {c['speedup']:7.2f}x {c['efficiency']:10.2f}"
+        )
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

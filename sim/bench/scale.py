@@ -22,9 +22,15 @@ from fedrl.bench.common import write_json
 
 def add_arguments(parser) -> None:
     parser.add_argument("--clients", type=int, nargs="+", help="cases (default 10 100 1000; quick 10 100)")
-    parser.add_argument("--messages-per-client", type=float, default=2.0, help="work per case, in messages per client")
-    parser.add_argument("--step-s", type=float, default=0.0,
-                        help="virtual seconds per local step (0: the default scenario's step, measured here)")
+    parser.add_argument(
+        "--messages-per-client", type=float, default=2.0, help="work per case, in messages per client"
+    )
+    parser.add_argument(
+        "--step-s",
+        type=float,
+        default=0.0,
+        help="virtual seconds per local step (0: the default scenario's step, measured here)",
+    )
 
 
 def run_case(case: dict) -> dict:
@@ -40,11 +46,25 @@ def run_case(case: dict) -> dict:
     buffer = max(2, n // 5)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = RunConfig(
-            mode="parablock", sync=False,
-            model="tiny-base", task="reversal", task_params=json.dumps({"length": 8, "num_eval": 16}),
-            prompts=2, samples=4, base_steps=2, min_steps=1, max_steps=4, buffer_size=buffer,
-            versions=max(2, int(case["messages_per_client"] * n / buffer)), max_staleness=50, deadline_s=60.0,
-            eval_every=10**9, anchor_every=10, min_nodes=n, out_dir=tmp, stall_replies=10**9,
+            mode="parablock",
+            sync=False,
+            model="tiny-base",
+            task="reversal",
+            task_params=json.dumps({"length": 8, "num_eval": 16}),
+            prompts=2,
+            samples=4,
+            base_steps=2,
+            min_steps=1,
+            max_steps=4,
+            buffer_size=buffer,
+            versions=max(2, int(case["messages_per_client"] * n / buffer)),
+            max_staleness=50,
+            deadline_s=60.0,
+            eval_every=10**9,
+            anchor_every=10,
+            min_nodes=n,
+            out_dir=tmp,
+            stall_replies=10**9,
         )
         grid = LocalGrid(n, client_app)
         wall0 = time.perf_counter()
@@ -54,11 +74,16 @@ def run_case(case: dict) -> dict:
     virtual_s = summary["loop"]["time_s"]
     messages = summary["counts"]["replies"]
     return {
-        "clients": n, "messages": messages, "versions": summary["versions"], "counts": summary["counts"],
+        "clients": n,
+        "messages": messages,
+        "versions": summary["versions"],
+        "counts": summary["counts"],
         "coordinator_cpu_ms_per_msg": 1e3 * cpu / max(1, messages),
         "coordinator_overhead": cpu / max(virtual_s, 1e-9),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "virtual_s": virtual_s, "wall_s": wall, "step_s": summary["simulation"]["step_s"],
+        "virtual_s": virtual_s,
+        "wall_s": wall,
+        "step_s": summary["simulation"]["step_s"],
         # the whole run on both clocks (the drain waits out lost messages' deadlines in virtual time)
         "wall_s_per_virtual_hour": wall / max(summary["time_s"], 1e-9) * 3600,
         "client_cpu_s": grid.client_cpu_s,
@@ -87,11 +112,17 @@ def main(args) -> int:
         with mp.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:  # a fresh process: its own peak RSS
             case = pool.apply(run_case, ({"clients": n, "step_s": step_s, "messages_per_client": messages},))
         cases.append(case)
-        print(f"  {case['messages']} messages, coordinator {case['coordinator_cpu_ms_per_msg']:.1f} ms CPU/message "
-              f"({100 * case['coordinator_overhead']:.2f}% of {case['virtual_s']:.0f} virtual s), "
-              f"peak RSS {case['peak_rss_mb']:.0f} MB, {case['wall_s_per_virtual_hour']:.0f} wall s per virtual hour")
-    out = write_json({"benchmark": "scale", "quick": args.quick, "wall_s": time.perf_counter() - start,
-                      "cases": cases}, args.out)
+        print(
+            f"  {case['messages']} messages, coordinator "
+            f"{case['coordinator_cpu_ms_per_msg']:.1f} ms CPU/message "
+            f"({100 * case['coordinator_overhead']:.2f}% of {case['virtual_s']:.0f} virtual s), "
+            f"peak RSS {case['peak_rss_mb']:.0f} MB, "
+            f"{case['wall_s_per_virtual_hour']:.0f} wall s per virtual hour"
+        )
+    out = write_json(
+        {"benchmark": "scale", "quick": args.quick, "wall_s": time.perf_counter() - start, "cases": cases},
+        args.out,
+    )
     plot(cases, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
@@ -105,8 +136,11 @@ def plot(cases: list[dict], path) -> None:
 
     n = [c["clients"] for c in cases]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    for ax, key, label in zip(axes, ("coordinator_cpu_ms_per_msg", "peak_rss_mb", "coordinator_overhead"),
-                              ("coordinator CPU ms / message", "peak RSS (MB)", "coordinator CPU / virtual time")):
+    for ax, key, label in zip(
+        axes,
+        ("coordinator_cpu_ms_per_msg", "peak_rss_mb", "coordinator_overhead"),
+        ("coordinator CPU ms / message", "peak RSS (MB)", "coordinator CPU / virtual time"),
+    ):
         ax.plot(n, [c[key] for c in cases], "o-")
         ax.set_xscale("log")
         ax.set_xlabel("virtual clients")
