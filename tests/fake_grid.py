@@ -63,3 +63,32 @@ def small_config(tmp_path, **changes) -> RunConfig:
         task_params=json.dumps({"length": 8, "num_eval": 32}),
     )
     return RunConfig(**{**base, **changes})
+
+
+def instruction_record(**changes) -> dict:
+    """A valid `train.block` instruction as it travels (a flat record), with `changes`."""
+    record = dict(
+        action="train",
+        mode="parablock",
+        block=0,
+        steps=2,
+        version=0,
+        store_url="http://127.0.0.1:1",
+        principal="node-1",
+        token="t",
+        public_key="",
+        model="tiny-base",
+        task="reversal",
+        task_params="{}",
+        num_blocks=3,
+        lora_rank=8,
+        lora_alpha=16.0,
+        lr=1e-3,
+        prompts=2,
+        samples=2,
+        method="dg",
+        seed=0,
+        client_id=0,
+        data_shards=1,
+    )
+    return {**record, **changes}

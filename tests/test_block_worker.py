@@ -1,5 +1,6 @@
 import pytest
 import torch
+from fake_grid import instruction_record
 
 from fedrl.clients.block_worker import block_correction
 from fedrl.clients.runtime import overlap_seconds
@@ -26,33 +27,7 @@ def test_overlap_seconds():
     assert overlap_seconds((0, 3), (2, 5)) == 1
 
 
-def _instruction(**kw):
-    base = dict(
-        action="train",
-        mode="parablock",
-        block=0,
-        steps=2,
-        version=0,
-        store_url="http://127.0.0.1:1",
-        principal="node-1",
-        token="t",
-        public_key="",
-        model="tiny-base",
-        task="reversal",
-        task_params="{}",
-        num_blocks=3,
-        lora_rank=8,
-        lora_alpha=16.0,
-        lr=1e-3,
-        prompts=2,
-        samples=2,
-        method="dg",
-        seed=0,
-        client_id=0,
-        data_shards=1,
-    )
-    base.update(kw)
-    return base
+_instruction = instruction_record
 
 
 def test_instruction_round_trip_and_validation():

@@ -53,12 +53,14 @@ def test_the_run_stops_with_the_checkpoint_error_and_keeps_its_results(tmp_path)
             return super().pull_messages(ids)
 
     cfg = small_config(tmp_path, versions=20, buffer_size=1)
+    before = set(threading.enumerate())
     with pytest.raises(CheckpointError, match="failed"):
         run_coordinator(BreakingGrid(3, client_app), cfg)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert "failed" in summary["stop_reason"] and summary["versions"] < 20
     assert (tmp_path / "run" / "adapter" / "adapter_config.json").exists()
-    assert not [t for t in threading.enumerate() if t.name in ("checkpointer", "patch-store", "store-client")]
+    names = ("checkpointer", "patch-store", "store-client")
+    assert not [t for t in set(threading.enumerate()) - before if t.name in names]
 
 
 def test_a_busy_port_is_a_clear_error_at_once():

@@ -5,36 +5,13 @@ not an exception with a traceback."""
 import json
 
 import pytest
+from fake_grid import instruction_record
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
 from fedrl.sim.simulated_client import STAMP, Stamp, simulated_client
 
-INSTRUCTION = dict(
-    action="train",
-    mode="parablock",
-    block=0,
-    steps=2,
-    version=0,
-    store_url="http://127.0.0.1:1",
-    principal="node-1",
-    token="t",
-    public_key="",
-    model="tiny-base",
-    task="reversal",
-    task_params="{}",
-    num_blocks=3,
-    lora_rank=8,
-    lora_alpha=16.0,
-    lr=1e-3,
-    prompts=2,
-    samples=2,
-    method="dg",
-    seed=0,
-    client_id=3,
-    data_shards=4,
-    round=1,
-)
+INSTRUCTION = instruction_record(client_id=3, data_shards=4, round=1)
 
 
 def _message(profile: dict) -> Message:
