@@ -18,6 +18,7 @@ import torch
 from flwr.app import ConfigRecord
 from pydantic import model_validator
 
+from fedrl.blocks import ALL_BLOCKS
 from fedrl.clock import RealClock
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.lora import build_adapter_model
@@ -85,7 +86,7 @@ def calibrate_step_s(cfg: RunConfig, repeats: int = 3) -> float:
     """Seconds of one local DG step on this machine: the virtual clock's unit of work."""
     adapter = build_adapter_model(cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks)
     task = get_task(cfg.task, **json.loads(cfg.task_params))
-    block = -1 if cfg.mode == "fedavg-lora" else 0
+    block = ALL_BLOCKS if cfg.mode == "fedavg-lora" else 0
     learner = Learner(
         adapter.part.make_trainable(adapter.lm.model, block), LearnerConfig(cfg.method, lr=cfg.lr)
     )

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
+from fedrl.blocks import ALL_BLOCKS
 from fedrl.clock import Clock, RealClock
 from fedrl.credentials import ADMIN, new_secret, node_principal, token_for
 from fedrl.lora import build_adapter_model
@@ -240,16 +241,14 @@ class Coordinator:
         )
 
     def dispatch(self, node: int, action: str = "train") -> None:
-        client = self.members.client_id(node)
-        if action == "flush":
-            block = -1 if self.cfg.mode == "fedavg-lora" else 0
-            instr = self.instruction(node, block, 0, "flush")
-        elif self.cfg.mode == "fedavg-lora":
-            block = -1
-            instr = self.instruction(node, -1, self.scheduler.steps_for(node), action)
+        if self.cfg.mode == "fedavg-lora":
+            block = ALL_BLOCKS
+        elif action == "flush":  # uploads the pending delta only; the block is not used
+            block = 0
         else:
-            block = self.scheduler.assign_block(node, client)
-            instr = self.instruction(node, block, self.scheduler.steps_for(node), action)
+            block = self.scheduler.assign_block(node, self.members.client_id(node))
+        steps = 0 if action == "flush" else self.scheduler.steps_for(node)
+        instr = self.instruction(node, block, steps, action)
         content = RecordDict({"instruction": ConfigRecord(instr.to_record())})
         # the message's ttl is the wall-clock watchdog; on a virtual clock the deadline is virtual
         ttl = self.cfg.watchdog_s if self.clock.virtual else self.cfg.deadline_s
@@ -359,7 +358,7 @@ class Coordinator:
             staleness = self.version - r.upload_base_version
             if not 0 <= staleness <= self.agg.max_staleness:  # cheap checks before any download
                 raise ValueError(f"staleness {staleness} is outside [0, {self.agg.max_staleness}]")
-            if not -1 <= r.upload_block < self.cfg.num_blocks:
+            if not ALL_BLOCKS <= r.upload_block < self.cfg.num_blocks:
                 raise ValueError(f"upload block {r.upload_block} does not exist")
             meta = self.admin.meta(r.upload_key)
             if node_principal(node) not in meta["uploaders"]:
@@ -367,7 +366,7 @@ class Coordinator:
             base = self.publisher.state(r.upload_base_version)
             if base is None:
                 raise ValueError(f"base version {r.upload_base_version} is no longer retained (too stale)")
-            if r.upload_block == -1:
+            if r.upload_block == ALL_BLOCKS:
                 names = list(self.global_state)
                 new = apply_patch(None, self.admin.get(r.upload_key))
             else:
@@ -398,7 +397,7 @@ class Coordinator:
             return
         by_block: dict[int, list[Update]] = {}
         for u in self.buffer:
-            if u.block == -1:  # a whole-adapter update contributes to every block
+            if u.block == ALL_BLOCKS:  # a whole-adapter update contributes to every block
                 for b in range(self.cfg.num_blocks):
                     names = self.adapter.part.names(b)
                     by_block.setdefault(b, []).append(
