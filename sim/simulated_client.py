@@ -82,7 +82,7 @@ def simulated_client(msg: Message, context: Context, call_next) -> Message:
     try:
         stamp = Stamp.parse(msg.content.config_records[STAMP], "simulation stamp")
         profile = ClientProfile.from_mapping(json.loads(stamp.profile))
-    except (SchemaError, ValueError) as err:
+    except ValueError as err:  # SchemaError, ProfileError and bad JSON alike
         return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=str(err)), reply_to=msg)
     del msg.content[STAMP]
     runtime = SimulatedRuntime(profile, stamp.clock == "virtual", stamp.step_s)
