@@ -64,13 +64,67 @@ def cmd_sim(args) -> int:
 
 
 def cmd_patch_store(args) -> int:
+    from fedrl.credentials import read_secret
     from fedrl.patch_store import serve
 
-    secret = Path(args.secret_file).read_bytes().strip()
-    if len(secret) < 16:
-        raise ValueError(f"{args.secret_file} holds {len(secret)} bytes; use at least 16 random bytes")
+    secret = read_secret(args.secret_file)
     serve(args.host, args.port, secret, args.certfile, args.keyfile, args.max_object_mb << 20)
     return 0
+
+
+def cmd_certs(args) -> int:
+    from fedrl.certs import make_deployment_credentials
+
+    folder = make_deployment_credentials(args.dir, args.hosts, args.nodes)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        print(f"{oct(path.stat().st_mode & 0o777)[2:]}  {path}")
+    return 0
+
+
+def cmd_deploy(args) -> int:
+    import signal
+
+    from fedrl.deploy.local import LocalDeployment
+    from fedrl.sim.runner import parse_overrides
+
+    overrides = parse_overrides(args.set or [])
+    if args.where == "node":
+        from fedrl.deploy.services import node
+
+        node(args.superlink, Path(args.certs), Path(args.home))
+        return 0
+    if args.where == "submit":
+        from fedrl.deploy.services import submit
+
+        return submit(args.superlink, Path(args.certs), Path(args.home), args.nodes, overrides, args.timeout)
+    deployment = LocalDeployment(args.dir, args.nodes, port=args.port)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cleanly, like Ctrl-C
+    try:
+        deployment.up()
+        print(f"SuperLink https://127.0.0.1:{deployment.superlink_port} (TLS, SuperNode auth)")
+        print(f"patch store {deployment.store_url} (TLS); {args.nodes} SuperNodes online")
+        print(f"logs in {deployment.logs}; FLWR_HOME={deployment.flwr_home} (connection fedrl)")
+        run_id = deployment.submit(**overrides)
+        checkpoints = deployment.run_dir / "checkpoints"
+
+        def status_line(status: str) -> None:
+            versions = sorted(checkpoints.glob("ckpt-*.json"))
+            latest = versions[-1].stem.removeprefix("ckpt-").lstrip("0") or "0" if versions else "-"
+            print(f"\rrun {run_id}: {status}, last checkpoint v{latest}   ", end="", flush=True)
+
+        status = deployment.federation.wait_run(run_id, args.timeout, status_line)
+        print(f"\rrun {run_id}: {status}" + " " * 30)
+        summary = deployment.summary()
+        print(
+            f"held-out error {summary['initial_eval']:.3f} -> {summary['final_eval']:.3f} in "
+            f"{summary['versions']} versions; summary {deployment.run_dir / 'summary.json'}"
+        )
+        return 0 if status == "finished:completed" else 1
+    except KeyboardInterrupt:
+        print("\nstopping every process of the deployment", file=sys.stderr)
+        return 130
+    finally:
+        deployment.stop()
 
 
 BENCHMARKS = {  # name: (module, what it measures); modules are imported only when run
@@ -167,6 +221,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keyfile")
     p.add_argument("--max-object-mb", type=int, default=256)
     p.set_defaults(func=cmd_patch_store)
+
+    p = sub.add_parser("certs", help="make a deployment's CA, server certificate, node keys and store secret")
+    p.add_argument("--dir", default="certs", help="folder to write (existing files are kept)")
+    p.add_argument(
+        "--hosts", nargs="+", default=["127.0.0.1", "localhost"], help="names and addresses of the servers"
+    )
+    p.add_argument("--nodes", nargs="*", default=[], help="SuperNode names to make key pairs for")
+    p.set_defaults(func=cmd_certs)
+
+    p = sub.add_parser(
+        "deploy",
+        help="a real deployment: `local` runs every service as a process here; `node` and `submit` "
+        "are the compose stack's SuperNode and run submitter",
+    )
+    p.add_argument("where", choices=["local", "node", "submit"])
+    p.add_argument("--superlink", default="127.0.0.1:9092", help="node/submit: the SuperLink's HOST:PORT")
+    p.add_argument("--certs", default="/certs", help="node/submit: the folder made by `fedrl certs`")
+    p.add_argument("--home", default="/var/lib/fedrl/node", help="node/submit: own keys and flwr profile")
+    p.add_argument("--nodes", type=int, default=3, help="number of SuperNodes")
+    p.add_argument("--dir", default="runs/deploy-local", help="certs, logs, state and results go here")
+    p.add_argument("--port", type=int, default=0, help="the SuperLink's port (default: a free one)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="give up on the run after this many s")
+    p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="run config overrides, e.g. versions=8")
+    p.set_defaults(func=cmd_deploy)
 
     listing = "; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items())
     p = sub.add_parser(

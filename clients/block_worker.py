@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import threading
 import time
 from dataclasses import dataclass
@@ -74,16 +75,17 @@ def communicate(
     sync: str,
     result: CommResult,
     runtime: Runtime,
+    ca_file: str | None = None,
 ) -> None:
     """The communication thread: upload (if any), then bring the held global adapter to
     instr.version: sync="patch" by the cheapest verified patches, "full" by an anchor only
-    (fedavg-lora exchanges the whole adapter), "none" to skip."""
+    (fedavg-lora exchanges the whole adapter), "none" to skip. `ca_file` verifies an https store."""
     start = time.perf_counter()
     link = runtime.open_link()
     result.links.append(link)
     loop = asyncio.new_event_loop()
     run = loop.run_until_complete
-    client = PatchStoreClient(instr.store_url, instr.principal, instr.token, link)
+    client = PatchStoreClient(instr.store_url, instr.principal, instr.token, link, ca_file=ca_file)
     try:
         run(client.__aenter__())
         try:
@@ -119,10 +121,13 @@ def _encode_upload(pending: Pending | None, full: bool = False) -> bytes | None:
     return encode_patch(pending.base, pending.new, pending.base_version, pending.base_version)
 
 
-def _comm_thread(instr, state, upload, sync, runtime) -> tuple[threading.Thread, CommResult]:
+def _comm_thread(instr, state, upload, sync, runtime, ca_file) -> tuple[threading.Thread, CommResult]:
     result = CommResult()
     thread = threading.Thread(
-        target=communicate, args=(instr, state, upload, sync, result, runtime), name="comm", daemon=True
+        target=communicate,
+        args=(instr, state, upload, sync, result, runtime, ca_file),
+        name="comm",
+        daemon=True,
     )
     thread.start()
     return thread, result
@@ -136,13 +141,14 @@ def _finish(thread: threading.Thread, result: CommResult) -> CommResult:
 
 
 def handle(
-    instr: TrainInstruction, state: ClientState, models: ModelCache
+    instr: TrainInstruction, state: ClientState, models: ModelCache, ca_file: str | None = None
 ) -> tuple[TrainReport, ClientState]:
-    """Do what `instr` asks; returns the report and the state to keep for the next message."""
+    """Do what `instr` asks; returns the report and the state to keep for the next message.
+    `ca_file`: the CA of an https patch store (the node's own setting)."""
     start = time.perf_counter()
     runtime = current_runtime()
     if instr.action == "flush":  # parablock's last round: push the pending delta
-        comm = _finish(*_comm_thread(instr, state, _encode_upload(state.pending), "none", runtime))
+        comm = _finish(*_comm_thread(instr, state, _encode_upload(state.pending), "none", runtime, ca_file))
         timing = runtime.timing(False, (start, start), 0, comm, None, start)
         report = _report(state.pending, comm, timing, [], 0, state.held_version or 0)
         return report, ClientState(state.local, state.held, state.held_version)
@@ -152,7 +158,7 @@ def handle(
     overlapped = instr.mode == "parablock" and state.local is not None
     upload = _encode_upload(state.pending) if instr.mode == "parablock" else None
     sync = "full" if instr.mode == "fedavg-lora" else "patch"
-    thread, comm = _comm_thread(instr, state, upload, sync, runtime)
+    thread, comm = _comm_thread(instr, state, upload, sync, runtime, ca_file)
     try:  # the comm thread is joined on every path, also when compute fails
         if not overlapped:  # sequential modes, and a parablock client's first round: sync first
             _finish(thread, comm)
@@ -181,7 +187,12 @@ def handle(
     else:  # sequential modes upload this round's delta after compute, through the same kind of link
         after = _finish(
             *_comm_thread(
-                instr, state, _encode_upload(pending, full=instr.mode == "fedavg-lora"), "none", runtime
+                instr,
+                state,
+                _encode_upload(pending, full=instr.mode == "fedavg-lora"),
+                "none",
+                runtime,
+                ca_file,
             )
         )
         comm.upload_key = after.upload_key
@@ -262,4 +273,6 @@ def _report(
         bytes_up=comm.bytes_up,
         bytes_down=comm.bytes_down,
         staleness=staleness,
+        link_bytes_per_s=(comm.bytes_up + comm.bytes_down) / timing.comm_s if timing.comm_s > 0 else 0.0,
+        memory_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports KiB
     )

@@ -2,18 +2,22 @@
 
 Per-node state (local adapter, held global adapter, pending delta) lives in
 `context.state`, which Flower keeps across the messages of a run. The app owns the
-process's model cache. `app` is the real client; the simulation builds the same app with
-its own mod in front (fedrl.sim.apps).
+process's model cache. The node's own settings (`--node-config`: the store's CA, a state
+directory) and the coordinator key it pinned are checked before any work
+(fedrl.clients.node). `app` is the real client; the simulation builds the same app with its
+own mod in front (fedrl.sim.apps).
 """
 
 from __future__ import annotations
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from fedrl.clients.block_worker import ClientState, Pending, handle
 from fedrl.clients.model_cache import ModelCache
+from fedrl.clients.node import NodeSettings, check_pin, load_pins, save_pins
 from fedrl.protocol import NO_UPLOAD, TrainInstruction
 
 
@@ -58,6 +62,17 @@ def save_state(state: RecordDict, s: ClientState) -> None:
     )
 
 
+def trust_coordinator(state: RecordDict, state_dir: str, instr: TrainInstruction) -> None:
+    """Pin the coordinator's key on first sight (on disk when the node has a state dir, else for
+    the run); raise KeyChanged when a message brings another."""
+    remembered = state.config_records.get("pins")
+    pins = load_pins(state_dir) if state_dir else dict(remembered or {})
+    updated = check_pin(pins, instr.store_url, instr.public_key)
+    if updated != pins:
+        save_pins(state_dir, updated)
+        state["pins"] = ConfigRecord(updated)
+
+
 def make_client_app(mods: list | None = None, models: ModelCache | None = None) -> ClientApp:
     app = ClientApp(mods=mods or [])
     cache = models or ModelCache()
@@ -65,7 +80,12 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
     @app.train("block")
     def train_block(msg: Message, context: Context) -> Message:
         instr = TrainInstruction.parse(msg.content["instruction"])  # malformed: an error reply
-        report, new_state = handle(instr, load_state(context.state), cache)
+        try:
+            node = NodeSettings.from_node_config(context.node_config)
+            trust_coordinator(context.state, node.state_dir, instr)
+        except ValueError as err:  # a refusal, with its reason, for the coordinator's log
+            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=msg)
+        report, new_state = handle(instr, load_state(context.state), cache, node.ca_file or None)
         save_state(context.state, new_state)
         return Message(RecordDict({"report": ConfigRecord(report.to_record())}), reply_to=msg)
 

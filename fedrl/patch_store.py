@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import ssl
 import threading
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from aiohttp import web
 from fedrl.credentials import ADMIN, check_token
 
 HASH_CHARS = set("0123456789abcdef")
+log = logging.getLogger("fedrl.patch_store")
 
 
 @dataclass
@@ -63,6 +65,26 @@ def _principal(request: web.Request, state: StoreState, admin: bool = False) -> 
     if admin and principal != ADMIN:
         raise web.HTTPForbidden(text="this operation needs the coordinator's credential")
     return principal
+
+
+@web.middleware
+async def log_refusals(request: web.Request, handler):
+    """Every refused request leaves one line with who asked, what and why."""
+    try:
+        return await handler(request)
+    except web.HTTPException as err:
+        if err.status >= 400:
+            who = request.headers.get("X-Principal", "anonymous")[:40]
+            log.warning(
+                "refused %s %s from %s (%s): HTTP %d %s",
+                request.method,
+                request.path[:80],
+                who,
+                request.remote,
+                err.status,
+                (err.text or err.reason)[:200],
+            )
+        raise
 
 
 def make_app(state: StoreState) -> web.Application:
@@ -151,7 +173,7 @@ def make_app(state: StoreState) -> web.Application:
         }
         return web.json_response({"refs": len(refs)})
 
-    app = web.Application(client_max_size=state.max_object_bytes)
+    app = web.Application(client_max_size=state.max_object_bytes, middlewares=[log_refusals])
     app.add_routes(routes)
     return app
 
@@ -160,7 +182,10 @@ def ssl_context(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | N
     if not certfile:
         return None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(certfile, keyfile)
+    try:
+        ctx.load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as err:
+        raise ValueError(f"TLS certificate {certfile} / key {keyfile} cannot be loaded: {err}") from None
     return ctx
 
 
@@ -241,6 +266,8 @@ def serve(
     max_object_bytes: int = 256 << 20,
 ) -> None:
     """`fedrl patch-store`: the store as its own service (deployments)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tls = ssl_context(certfile, keyfile)
     state = StoreState(secret, max_object_bytes=max_object_bytes)
     print(json.dumps({"patch_store": f"{'https' if certfile else 'http'}://{host}:{port}"}), flush=True)
-    web.run_app(make_app(state), host=host, port=port, ssl_context=ssl_context(certfile, keyfile), print=None)
+    web.run_app(make_app(state), host=host, port=port, ssl_context=tls, print=None)

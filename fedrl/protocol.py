@@ -89,6 +89,9 @@ class TrainReport(Schema):
     bytes_up: int
     bytes_down: int
     staleness: int  # versions between the local copy compute started from and the instruction's
+    # the client's own measurements (a real client measures itself; nothing is declared for it)
+    link_bytes_per_s: float  # bytes moved to and from the store over the seconds its link was busy
+    memory_mb: float  # peak resident memory of the process that served the message
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -96,7 +99,7 @@ class TrainReport(Schema):
             raise ValueError("upload_key must be a SHA-256 hex digest")
         if min(self.steps, self.bytes_up, self.bytes_down, self.upload_samples) < 0:
             raise ValueError("steps, bytes and samples must be >= 0")
-        for name in ("compute_s", "comm_s", "overlap_s", "duration_s"):
+        for name in ("compute_s", "comm_s", "overlap_s", "duration_s", "link_bytes_per_s", "memory_mb"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")

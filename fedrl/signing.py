@@ -3,12 +3,14 @@ only patches it signed. Envelope: b"FRLS" | 64-byte signature | patch bytes."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from fedrl.credentials import write_private
 from fedrl.patch import PatchError
 
 SIGNED_MAGIC = b"FRLS"
@@ -44,20 +46,42 @@ def verify_signed_patch(data: bytes, public_key: Ed25519PublicKey) -> bytes:
 
 
 def save_private_key(key: Ed25519PrivateKey, path: str | Path) -> None:
-    path = Path(path)
-    path.write_bytes(
+    write_private(
+        Path(path),
         key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
+        ),
     )
-    path.chmod(0o600)
 
 
 def load_private_key(path: str | Path) -> Ed25519PrivateKey:
-    key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except OSError as err:
+        raise ValueError(f"cannot read the signing key {path}: {err.strerror or err}") from None
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{path} is not an unencrypted PEM private key: {err}") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise ValueError(f"{path} is not an Ed25519 private key")
     return key
+
+
+def load_or_create_signing_key(path: str | Path) -> Ed25519PrivateKey:
+    """The coordinator's key, made the first time and read back on every restart, so clients
+    that pinned it keep trusting the restarted coordinator."""
+    path = Path(path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_private_key(generate_signing_key(), path)
+    return load_private_key(path)
+
+
+def key_fingerprint(public_pem: str | bytes) -> str:
+    """A short, stable name of a public key (SHA-256 of its DER form)."""
+    der = load_public_key(public_pem.encode() if isinstance(public_pem, str) else public_pem).public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return hashlib.sha256(der).hexdigest()
 
 
 def public_key_pem(key: Ed25519PrivateKey) -> bytes:

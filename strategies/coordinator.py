@@ -23,7 +23,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedrl.blocks import ALL_BLOCKS
 from fedrl.clock import Clock, RealClock
-from fedrl.credentials import ADMIN, new_secret, node_principal, token_for
+from fedrl.credentials import ADMIN, load_or_create_secret, node_principal, read_secret, token_for
 from fedrl.lora import build_adapter_model
 from fedrl.patch import PatchError, apply_patch
 from fedrl.patch_chain import PatchPublisher
@@ -31,7 +31,7 @@ from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import MESSAGE_TYPE, TrainInstruction, TrainReport
 from fedrl.rollout import greedy_error
 from fedrl.schema import SchemaError
-from fedrl.signing import generate_signing_key, public_key_pem
+from fedrl.signing import load_or_create_signing_key, public_key_pem
 from fedrl.store_client import BlockingStoreClient, StoreError, put_signed_patches
 from fedrl.strategies.aggregation import AggregationConfig, Update, aggregate_block, rejection_reason
 from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_latest
@@ -87,16 +87,20 @@ class Coordinator:
         self.agg = AggregationConfig(cfg.alpha, cfg.max_staleness, cfg.clip_norm or None, cfg.robust)
         anchor_every = 1 if cfg.mode == "fedavg-lora" else cfg.anchor_every  # fedavg sends full adapters
         self.publisher = PatchPublisher(anchor_every=anchor_every, keep_recent=cfg.max_staleness + 2)
-        self.signing_key = generate_signing_key()
+        # keys live in the state dir and survive restarts: clients pin the coordinator's public key
+        state_dir = Path(cfg.state_dir or self.out_dir / "state")
+        self.signing_key = load_or_create_signing_key(state_dir / "coordinator.key")
         self.public_key = public_key_pem(self.signing_key).decode()
         if cfg.store_url:
-            self.secret = Path(cfg.store_secret_file).read_bytes().strip()
+            self.secret = read_secret(cfg.store_secret_file)
             self.store_url = cfg.store_url
         else:
-            self.secret = new_secret()
+            self.secret = load_or_create_secret(state_dir / "store.secret")
             store = self.resources.enter_context(PatchStoreServer(StoreState(self.secret)))
             self.store_url = store.url
-        self.admin = BlockingStoreClient(self.store_url, ADMIN, token_for(self.secret, ADMIN))
+        self.admin = BlockingStoreClient(
+            self.store_url, ADMIN, token_for(self.secret, ADMIN), ca_file=cfg.store_ca_file or None
+        )
         self.resources.callback(self.admin.close)
         self.checkpointer = Checkpointer(cfg.checkpoint_dir or self.out_dir / "checkpoints")
         self.resources.callback(self.checkpointer.close)
@@ -115,6 +119,7 @@ class Coordinator:
         self.replies_at_version = 0
         self.stop_reason = ""
         self.last_refresh = float("-inf")
+        self.started_at = time.time()  # wall clock, so a deployment's logs can be lined up with events
 
     def __enter__(self) -> Coordinator:
         return self
@@ -333,6 +338,12 @@ class Coordinator:
         c["messages"] += 1
         for k in ("compute_s", "comm_s", "overlap_s", "duration_s", "bytes_up", "bytes_down"):
             c[k] += getattr(r, k)
+        # what the client measured of itself, as last reported
+        if r.steps:
+            c["step_s"] = round(r.compute_s / r.steps, 4)
+        if r.link_bytes_per_s:
+            c["link_bytes_per_s"] = round(r.link_bytes_per_s)
+        c["memory_mb"] = round(r.memory_mb, 1)
         c["timeline"].append(
             {
                 "end": round(self.now(), 3),
@@ -555,6 +566,7 @@ class Coordinator:
             "bytes_up": bytes_up,
             "bytes_down": bytes_down,
             "clock": "virtual" if self.clock.virtual else "real",
+            "started_at": self.started_at,
             "time_s": round(self.now(), 2),
             "loop": self.loop,
             "stop_reason": self.stop_reason,

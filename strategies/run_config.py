@@ -49,9 +49,11 @@ class RunConfig(Schema):
     seed: int = 0
     out_dir: str = "runs/latest"
     checkpoint_dir: str = ""  # default: OUT_DIR/checkpoints
+    state_dir: str = ""  # coordinator keys (signing key, own store secret), made once; default OUT_DIR/state
     resume: bool = True  # continue from the newest good checkpoint in checkpoint_dir
     store_url: str = ""  # empty: run the patch store inside the ServerApp
     store_secret_file: str = ""  # deployments: the secret shared with the standalone store
+    store_ca_file: str = ""  # deployments: the CA that signed the store's TLS certificate (https store_url)
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -71,6 +73,10 @@ class RunConfig(Schema):
             "lru",
         ):
             raise ValueError(f"unknown robust {self.robust!r} or schedule {self.schedule!r}")
+        if self.store_url and not self.store_secret_file:
+            raise ValueError("store_url needs store_secret_file (the secret the standalone store was given)")
+        if self.store_url and not self.store_url.startswith(("http://", "https://")):
+            raise ValueError(f"store_url must start with http:// or https://, got {self.store_url!r}")
         check_json(self.task_params, "task_params")
         return self
 

@@ -3,6 +3,8 @@ on the wall clock (the simulation has its own: fedrl.sim.apps)."""
 
 from __future__ import annotations
 
+import logging
+
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
@@ -17,6 +19,10 @@ def make_server_app(cfg: RunConfig | None = None, progress=None, results: list |
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         config = cfg or RunConfig.from_mapping(context.run_config)
+        if cfg is None:  # a deployment: the coordinator's events go to the ServerApp's log (`flwr log`)
+            logging.getLogger("fedrl").setLevel(logging.INFO)
+            if not logging.getLogger("fedrl").handlers:
+                logging.getLogger("fedrl").addHandler(logging.StreamHandler())
         summary = run_coordinator(grid, config, progress=progress)
         if results is not None:
             results.append(summary)

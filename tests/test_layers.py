@@ -13,7 +13,8 @@ LAYERS = {  # folder: (package, the fedrl packages it may import)
     "strategies": ("fedrl.strategies", {"fedrl"}),
     "clients": ("fedrl.clients", {"fedrl"}),
     "sim": ("fedrl.sim", {"fedrl", "fedrl.strategies", "fedrl.clients"}),
-    "cli": ("fedrl.cli", {"fedrl", "fedrl.strategies", "fedrl.clients", "fedrl.sim"}),
+    "deploy": ("fedrl.deploy", {"fedrl"}),  # starts the real apps as processes: imports neither
+    "cli": ("fedrl.cli", {"fedrl", "fedrl.strategies", "fedrl.clients", "fedrl.sim", "fedrl.deploy"}),
 }
 PACKAGES = {package for package, _ in LAYERS.values()}
 

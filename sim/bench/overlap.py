@@ -34,19 +34,21 @@ NUM_BLOCKS, BLOCK = 3, 1
 
 
 class Federation:
-    """A store holding global versions 0 and 1 of a tiny LoRA adapter, and a client's state at v0."""
+    """A store holding global versions 0 and 1 of a tiny LoRA adapter, and a client's state at v0.
+    The store runs in this process, or is a running one at `store_url` (given its `secret`)."""
 
-    def __init__(self):
-        self.secret, key = new_secret(), generate_signing_key()
+    def __init__(self, store_url: str = "", secret: bytes = b""):
+        self.secret, key = secret or new_secret(), generate_signing_key()
         self.public_key = public_key_pem(key).decode()
-        self.server = PatchStoreServer(StoreState(self.secret)).start()
+        self.server = None if store_url else PatchStoreServer(StoreState(self.secret)).start()
+        self.store_url = store_url or self.server.url
         self.models = ModelCache()
         adapter = self.models.get("tiny-base", 8, 16.0, NUM_BLOCKS)
         lm, part = adapter.lm, adapter.part
         g = torch.Generator().manual_seed(0)
         v0 = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in part.get_all(lm.model).items()}
         v1 = {n: t + 1e-3 * torch.randn(t.shape, generator=g) for n, t in v0.items()}
-        admin = BlockingStoreClient(self.server.url, ADMIN, token_for(self.secret, ADMIN))
+        admin = BlockingStoreClient(self.store_url, ADMIN, token_for(self.secret, ADMIN))
         publisher, refs = PatchPublisher(anchor_every=100), []
         for version, state in ((0, v0), (1, v1)):
             refs += put_signed_patches(admin, publisher.publish(state, version), key)
@@ -63,7 +65,7 @@ class Federation:
             block=BLOCK,
             steps=steps,
             version=1,
-            store_url=self.server.url,
+            store_url=self.store_url,
             principal=node_principal(1),
             token=token_for(self.secret, node_principal(1)),
             public_key=self.public_key,
@@ -96,7 +98,8 @@ class Federation:
         return report
 
     def close(self) -> None:
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
 
 
 def measure(fed: Federation, ratios: list[float], steps: int, repeats: int) -> list[dict]:
@@ -154,6 +157,11 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--repeats", type=int, help="rounds per case, the fastest counts (default 2; quick 1)"
     )
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="instead: store and clients as processes in network namespaces, links shaped by tc (root)",
+    )
 
 
 def main(args) -> int:
@@ -163,10 +171,21 @@ def main(args) -> int:
     repeats = args.repeats or (1 if args.quick else 2)
     fed = Federation()
     start = time.perf_counter()
+    skipped = None
     try:
-        cases = measure(fed, ratios, steps, repeats)
+        if args.netns:
+            from fedrl.sim.bench import netns
+
+            fed.round("parablock", steps, None)  # warm-up
+            unshaped = fed.round("parablock", steps, None)  # the compute and bytes the rates are planned on
+            skipped = netns.unavailable()
+            cases = [] if skipped else netns.measure(steps, repeats, unshaped)
+        else:
+            cases = measure(fed, ratios, steps, repeats)
     finally:
         fed.close()
+    if skipped:
+        print(f"netns: skipped: {skipped}")
     out = write_json(
         {
             "benchmark": "overlap",
@@ -174,6 +193,7 @@ def main(args) -> int:
             "steps": steps,
             "wall_s": time.perf_counter() - start,
             "cases": cases,
+            **({"netns_skipped": skipped} if skipped else {}),
         },
         args.out,
     )
@@ -198,8 +218,10 @@ def plot(cases: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, mode in zip(axes, ("virtual", "real")):
+    modes = [m for m in ("virtual", "real", "netns") if any(c["mode"] == m for c in cases)] or ["real"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, mode in zip(axes, modes):
         cs = [c for c in cases if c["mode"] == mode]
         x = [c["comm_compute_ratio"] for c in cs]
         ax.plot(x, [c["round_s_sequential"] for c in cs], "o-", label="block-sequential")
@@ -207,7 +229,7 @@ def plot(cases: list[dict], path) -> None:
         ax.plot(x, [c["ideal_s"] for c in cs], "k--", label="ideal max(comm, compute)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("comm / compute")
-        ax.set_title(f"{mode} links")
+        ax.set_title({"netns": "namespaces, tc-shaped links"}.get(mode, f"{mode} links"))
     axes[0].set_ylabel("round time (s)")
     axes[0].legend()
     fig.tight_layout()

@@ -1,0 +1,1 @@
+"""Real deployments: local processes (fedrl deploy local), the compose stack's helpers."""

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The compose stack, for real, on this machine: starts Docker if needed, builds the image on a
+# Debian base made with debootstrap (no image registry is reachable here), makes certificates,
+# brings up docker-compose.yml with deploy/compose.host.yml (every service on 127.0.0.1 with
+# its own port: container bridge networks use addresses that are off-limits here), scales the
+# SuperNodes to NODES, waits for the one-shot submitter, checks the run's summary, tears down.
+# Needs root (Docker). Elsewhere, users run plain `docker compose up` with the default base.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NODES=${NODES:-3}
+PROJECT=${PROJECT:-fedrlcompose}
+BASE=${BASE:-fedrl-base:bookworm}
+ROOTFS=${ROOTFS:-/var/tmp/fedrl-rootfs}
+RUN_CONFIG=${RUN_CONFIG:-"versions=4 base-steps=2 max-steps=3 prompts=4 samples=4 buffer-size=2 eval-every=2"}
+say() { printf '\n== %s\n' "$*"; }
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+say "Docker"
+if ! docker info >/dev/null 2>&1; then
+  if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io docker-compose
+  fi
+  (nohup dockerd >/var/log/fedrl-dockerd.log 2>&1 &)
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+fi
+docker info --format 'engine {{.ServerVersion}}, storage {{.Driver}}'
+docker-compose version --short
+
+say "base image $BASE"
+if ! docker image inspect "$BASE" >/dev/null 2>&1; then
+  command -v debootstrap >/dev/null || { apt-get update -q && apt-get install -y -q debootstrap; }
+  [ -x "$ROOTFS/usr/bin/python3" ] || debootstrap --variant=minbase \
+    --include=python3,python3-venv,python3-pip,ca-certificates bookworm "$ROOTFS"
+  cp /etc/ssl/certs/ca-certificates.crt "$ROOTFS/etc/ssl/certs/ca-certificates.crt"  # pip reaches the registry
+  tar -C "$ROOTFS" -c . | docker import - "$BASE"
+fi
+
+say "image fedrl:compose-test"
+# the local CPU build of torch, when this machine has one: no CUDA packages in the image
+cp /opt/wheels/torch-2.13.0*.whl .wheels/ 2>/dev/null || true
+docker build --network host -t fedrl:compose-test \
+  --build-arg BASE_IMAGE="$BASE" --build-arg PIP_CONSTRAINTS=constraints.txt . | tail -n 3
+
+WORK=$(mktemp -d)
+export FEDRL_TAG=compose-test FEDRL_CERTS="$WORK/certs" NODES RUN_CONFIG RUN_TIMEOUT=900
+export BIND_HOST=127.0.0.1 SUPERLINK_ADDR=127.0.0.1 STORE_ADDR=127.0.0.1
+SUPERLINK_PORT=$(free_port) STORE_PORT=$(free_port)
+export SUPERLINK_PORT STORE_PORT SUPERLINK_PUBLISH=$SUPERLINK_PORT STORE_PUBLISH=$STORE_PORT
+# docker-compose 1.29 refuses published ports on host-networked services and cannot remove a
+# key in an override file: render the merged config and drop `ports` where the network is the host's
+docker-compose -p "$PROJECT" -f docker-compose.yml -f deploy/compose.host.yml config \
+  | docker run --rm -i fedrl:compose-test python3 -c 'import sys, yaml
+c = yaml.safe_load(sys.stdin)
+for s in c["services"].values():
+    if s.get("network_mode") == "host":
+        s.pop("ports", None)
+yaml.safe_dump(c, sys.stdout)' > "$WORK/compose.yml"
+compose() { docker-compose -p "$PROJECT" -f "$WORK/compose.yml" "$@"; }
+cleanup() {
+  say "teardown"
+  compose down -v --remove-orphans 2>&1 | tail -n 2 || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+say "certificates (fedrl certs, inside the image)"
+docker run --rm --network host -v "$WORK:/out" fedrl:compose-test \
+  fedrl certs --dir /out/certs --hosts 127.0.0.1 localhost superlink patch-store >/dev/null
+ls "$WORK/certs"
+
+say "up: patch store :$STORE_PORT, SuperLink :$SUPERLINK_PORT, $NODES SuperNodes, submitter"
+compose up -d --no-build --scale supernode="$NODES" 2>&1 | grep -v "^Creating volume" || true
+compose ps
+
+say "waiting for the submitter (run config: $RUN_CONFIG)"
+SUBMIT=$(compose ps -q submit)
+CODE=$(timeout 1200 docker wait "$SUBMIT")
+docker logs "$SUBMIT" 2>&1 | tail -n 6
+compose logs --no-color patch-store 2>&1 | grep -c "refused" | sed 's/^/store refusals logged: /' || true
+compose ps
+
+SUMMARY=$(docker logs "$SUBMIT" 2>&1 | grep '"final_eval"' | tail -n 1)
+python3 - "$CODE" "$SUMMARY" "$NODES" <<'EOF'
+import json, sys
+code, line, nodes = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+assert code == 0, f"the submitter exited with {code}"
+s = json.loads(line)
+assert s["versions"] >= 1 and s["counts"]["accepted"] >= nodes, s
+assert s["final_eval"] < s["initial_eval"], f"held-out error did not fall: {s['initial_eval']} -> {s['final_eval']}"
+print(f"compose run OK: held-out error {s['initial_eval']:.3f} -> {s['final_eval']:.3f} in {s['versions']} versions, "
+      f"{s['counts']['accepted']} accepted updates, {s['bytes_up'] + s['bytes_down']} bytes moved")
+EOF

@@ -1,0 +1,234 @@
+"""A real deployment on one machine: every service its own OS process, TLS on every hop.
+
+`fedrl deploy local --nodes N` (and the multi-process test) run, under one folder:
+  certs/        CA, server certificate, node key pairs, the store secret (fedrl.certs)
+  flwr/         FLWR_HOME: the `flwr` CLI's connection profile `fedrl-local`
+  logs/         one log per process
+  state/        the SuperLink's database, the coordinator's keys and checkpoints, node state
+  run/          the coordinator's output: summary.json, the adapter
+The processes: `fedrl patch-store` (TLS), `flower-superlink` (TLS, SuperNode authentication on,
+a database so registrations survive restarts), N `flower-supernode`s (each with its own EC key
+pair, registered with the SuperLink), and `flwr run` submitting the deployment app
+(fedrl/deploy/app: fedrl's real ServerApp and ClientApp). Each process gets its own process
+group, so stopping one stops what it started (SuperExec, ServerApp, ClientApp processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from fedrl.certs import make_ca, make_node_key, make_server_cert
+from fedrl.credentials import load_or_create_secret
+from fedrl.deploy.federation import DeployError, Federation, tool
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """DeployError when something listens on the port (connections of a stopped server that
+    linger in TIME_WAIT do not count: servers bind with SO_REUSEADDR, so does this check)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise DeployError(f"{what}: port {host}:{port} is already in use ({err.strerror})") from None
+
+
+class LocalDeployment:
+    """Start, stop, kill and restart the services of one local deployment (see the module doc)."""
+
+    def __init__(self, root: str | Path, nodes: int = 3, host: str = "127.0.0.1", port: int = 0):
+        if nodes < 1:
+            raise ValueError("a deployment needs at least one node")
+        self.root, self.host, self.num_nodes = Path(root).resolve(), host, nodes
+        self.certs, self.logs, self.state = self.root / "certs", self.root / "logs", self.root / "state"
+        self.flwr_home, self.run_dir = self.root / "flwr", self.root / "run"
+        self.superlink_port = port or free_port(host)
+        self.store_port = free_port(host)
+        self.node_ports: dict[int, int] = {}  # SuperNode i's own Runtime API port, picked on first start
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def store_url(self) -> str:
+        return f"https://{self.host}:{self.store_port}"
+
+    def node_name(self, i: int) -> str:
+        return f"node-{i + 1}"
+
+    def prepare(self) -> None:
+        """Certificates, node keys, the store secret and the CLI's connection profile."""
+        for d in (self.logs, self.state, self.run_dir, self.flwr_home):
+            d.mkdir(parents=True, exist_ok=True)
+        make_ca(self.certs)
+        make_server_cert(self.certs, [self.host, "localhost"])
+        for i in range(self.num_nodes):
+            make_node_key(self.certs, self.node_name(i))
+        load_or_create_secret(self.certs / "store.secret")
+        self.federation = Federation(
+            self.flwr_home, f"{self.host}:{self.superlink_port}", self.certs / "ca.pem"
+        )
+
+    # ------------------------------------------------------------------ processes
+
+    def start(self, name: str, argv: list[str], port: int | None = None) -> subprocess.Popen:
+        if name in self.procs and self.procs[name].poll() is None:
+            raise DeployError(f"{name} is already running (pid {self.procs[name].pid})")
+        if port is not None:
+            check_port_free(self.host, port, name)
+        log = open(self.logs / f"{name}.log", "ab")
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.federation.env(),
+            cwd=self.root,
+            start_new_session=True,
+        )
+        log.close()
+        self.procs[name] = proc
+        if port is not None:
+            self.wait_listening(name, port)
+        return proc
+
+    def wait_listening(self, name: str, port: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.procs[name].poll() is not None:
+                raise DeployError(f"{name} exited with {self.procs[name].returncode}: {self.tail(name)}")
+            try:
+                with socket.create_connection((self.host, port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise DeployError(
+            f"{name} did not listen on {self.host}:{port} within {timeout_s} s: {self.tail(name)}"
+        )
+
+    def tail(self, name: str, lines: int = 8) -> str:
+        path = self.logs / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return f"(see {path}) " + " | ".join(text.strip().splitlines()[-lines:])
+
+    def start_store(self) -> None:
+        self.start(
+            "patch-store",
+            [tool("fedrl"), "patch-store", "--host", self.host, "--port", str(self.store_port)]
+            + ["--secret-file", str(self.certs / "store.secret")]
+            + ["--certfile", str(self.certs / "server.pem"), "--keyfile", str(self.certs / "server.key")],
+            self.store_port,
+        )
+
+    def start_superlink(self) -> None:
+        self.start(
+            "superlink",
+            [tool("flower-superlink"), "--host", self.host, "--port", str(self.superlink_port)]
+            + ["--ssl-ca-certfile", str(self.certs / "ca.pem")]
+            + [
+                "--ssl-certfile",
+                str(self.certs / "server.pem"),
+                "--ssl-keyfile",
+                str(self.certs / "server.key"),
+            ]
+            + ["--enable-supernode-auth", "--disable-runtime-dependency-installation"]
+            + ["--database", str(self.state / "superlink.db")],
+            self.superlink_port,
+        )
+
+    def node_dir(self, i: int) -> Path:
+        return self.state / self.node_name(i)
+
+    def start_node(self, i: int, key: Path | None = None) -> None:
+        """SuperNode i with its own key (or `key`, e.g. an unregistered one)."""
+        name = self.node_name(i)
+        self.node_dir(i).mkdir(parents=True, exist_ok=True)
+        node_config = f'ca-file="{self.certs / "ca.pem"}" state-dir="{self.node_dir(i)}"'
+        self.start(
+            name,
+            [tool("flower-supernode"), "--superlink", f"{self.host}:{self.superlink_port}"]
+            + ["--root-certificates", str(self.certs / "ca.pem")]
+            + ["--auth-supernode-private-key", str(key or self.certs / "nodes" / f"{name}.key")]
+            + ["--host", self.host, "--port", str(self.node_ports.setdefault(i, free_port(self.host)))]
+            + ["--node-config", node_config],
+        )
+
+    def up(self) -> None:
+        """Everything but the run: certificates, store, SuperLink, registered and started nodes."""
+        self.prepare()
+        self.start_store()
+        self.start_superlink()
+        for i in range(self.num_nodes):
+            self.federation.register(self.certs / "nodes" / f"{self.node_name(i)}.pub")
+            self.start_node(i)
+        self.federation.wait_nodes(self.num_nodes)
+
+    # ------------------------------------------------------------------ runs
+
+    def submit(self, **overrides) -> int:
+        """Submit a run with the deployment's own keys (store, TLS, state) plus `overrides`."""
+        return self.federation.submit(
+            {
+                "store-url": self.store_url,
+                "store-secret-file": str(self.certs / "store.secret"),
+                "store-ca-file": str(self.certs / "ca.pem"),
+                "out-dir": str(self.run_dir),
+                "state-dir": str(self.state / "coordinator"),
+                "min-nodes": self.num_nodes,
+                **{k.replace("_", "-"): v for k, v in overrides.items()},
+            }
+        )
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    # ------------------------------------------------------------------ stopping
+
+    def signal(self, name: str, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` to a service's whole process group (what it started goes with it)."""
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a service and everything it started; returns once it is gone."""
+        self.signal(name, signal.SIGKILL)
+        if name in self.procs:
+            self.procs[name].wait(30)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every service, then SIGKILL whatever is still there after `timeout_s`."""
+        for name in reversed(list(self.procs)):
+            self.signal(name, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.signal(name, signal.SIGKILL)
+                proc.wait(10)
+        for name in self.procs:  # a group may outlive its leader: sweep what is left
+            try:
+                os.killpg(self.procs[name].pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,118 @@
+"""The deployment's pieces that need no running service: the app's run config, certificates
+and node keys, and the clear errors of bad input (unknown keys, busy ports, missing files)."""
+
+import socket
+import ssl
+import subprocess
+import sys
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from fedrl.certs import make_deployment_credentials, make_node_key, make_server_cert
+from fedrl.deploy.federation import DeployError, Federation, app_config, run_config
+from fedrl.deploy.local import check_port_free
+from fedrl.strategies.run_config import RunConfig
+
+
+def test_the_deployment_app_accepts_every_run_config_key_with_its_default():
+    app = {k.replace("-", "_"): v for k, v in app_config().items()}
+    assert app == RunConfig().model_dump()
+    RunConfig.from_mapping(app_config())  # and Flower's values parse as they are
+
+
+def test_run_config_refuses_unknown_keys_and_takes_ints_for_floats():
+    assert run_config({"deadline_s": 60, "versions": 3}) == {"deadline-s": 60.0, "versions": 3}
+    with pytest.raises(ValueError, match="unknown run config keys \\['no-such-key'\\]"):
+        run_config({"no-such-key": 1})
+
+
+def test_a_busy_port_and_a_missing_ca_are_clear_errors(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(DeployError, match="already in use"):
+            check_port_free("127.0.0.1", s.getsockname()[1], "superlink")
+    with pytest.raises(DeployError, match="not found"):
+        Federation(tmp_path / "home", "127.0.0.1:1", tmp_path / "ca.pem")
+
+
+def test_certificates_chain_to_the_ca_and_name_their_hosts(tmp_path):
+    folder = make_deployment_credentials(tmp_path / "c", ["127.0.0.1", "superlink"], ["node-1"])
+    ca = x509.load_pem_x509_certificate((folder / "ca.pem").read_bytes())
+    server = x509.load_pem_x509_certificate((folder / "server.pem").read_bytes())
+    server.verify_directly_issued_by(ca)
+    names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["superlink"]
+    assert [str(a) for a in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    ssl.create_default_context(cafile=str(folder / "ca.pem")).load_cert_chain(
+        folder / "server.pem", folder / "server.key"
+    )  # the pair loads as a TLS server identity
+    # node keys: OpenSSH private key and public key of one EC P-384 pair, private to the owner
+    private = serialization.load_ssh_private_key((folder / "nodes" / "node-1.key").read_bytes(), None)
+    public = serialization.load_ssh_public_key((folder / "nodes" / "node-1.pub").read_bytes())
+    assert private.public_key().public_numbers() == public.public_numbers()
+    assert private.curve.name == "secp384r1"
+    assert (folder / "nodes" / "node-1.key").stat().st_mode & 0o077 == 0
+    assert (folder / "store.secret").stat().st_mode & 0o077 == 0
+
+
+def test_certificates_are_kept_and_remade_only_for_new_hosts(tmp_path):
+    folder = make_deployment_credentials(tmp_path, ["127.0.0.1"])
+    before = (folder / "server.pem").read_bytes(), (folder / "ca.pem").read_bytes()
+    make_server_cert(folder, ["127.0.0.1"])
+    assert (folder / "server.pem").read_bytes() == before[0]
+    make_server_cert(folder, ["127.0.0.1", "store.example.org"])
+    assert (folder / "server.pem").read_bytes() != before[0]
+    assert (folder / "ca.pem").read_bytes() == before[1]  # same CA: nodes keep trusting it
+    with pytest.raises(ValueError, match="node name"):
+        make_node_key(folder, "../escape")
+
+
+def test_fedrl_certs_and_patch_store_errors_on_the_command_line(tmp_path):
+    def fedrl(*args):
+        return subprocess.run([sys.executable, "-m", "fedrl.cli", *args], capture_output=True, text=True)
+
+    out = fedrl("certs", "--dir", str(tmp_path / "c"), "--nodes", "a", "b")
+    assert out.returncode == 0 and "nodes/a.pub" in out.stdout
+    (tmp_path / "short").write_text("x")
+    out = fedrl("patch-store", "--secret-file", str(tmp_path / "short"))
+    assert out.returncode == 2 and "holds 1 bytes" in out.stderr
+    out = fedrl(
+        "patch-store",
+        "--secret-file",
+        str(tmp_path / "c" / "store.secret"),
+        "--certfile",
+        str(tmp_path / "missing.pem"),
+        "--keyfile",
+        str(tmp_path / "missing.key"),
+    )
+    assert out.returncode == 2 and "cannot be loaded" in out.stderr
+
+
+def test_deploy_local_on_a_busy_port_says_so_and_leaves_nothing_running(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        out = subprocess.run(
+            [sys.executable, "-m", "fedrl.cli", "deploy", "local", "--nodes", "1"]
+            + ["--dir", str(tmp_path), "--port", str(s.getsockname()[1])],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 2 and "superlink: port" in out.stderr and "already in use" in out.stderr
+    store_pid = subprocess.run(["pgrep", "-f", f"--secret-file {tmp_path}"], capture_output=True, text=True)
+    assert store_pid.stdout == ""  # the patch store it had started is gone
+
+
+def test_the_compose_entry_points_refuse_bad_input_before_waiting(tmp_path):
+    def fedrl(*args):
+        cmd = [sys.executable, "-m", "fedrl.cli", "deploy", *args, "--home", str(tmp_path / "h")]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    out = fedrl("submit", "--certs", str(tmp_path), "--set", "bogus=1")
+    assert out.returncode == 2 and "unknown run config keys ['bogus']" in out.stderr
+    out = fedrl("node", "--certs", str(tmp_path / "nowhere"))
+    assert out.returncode == 2 and "ca.pem not found" in out.stderr

@@ -1,0 +1,130 @@
+"""A real deployment on 127.0.0.1, every service its own OS process: `fedrl patch-store` (TLS),
+`flower-superlink` (TLS, SuperNode authentication), three `flower-supernode`s with their own
+registered EC keys, runs submitted with `flwr run`. The tests share one deployment and run in
+order: a short run learns; an unregistered node and a wrong store token are refused; the
+SuperLink (with the ServerApp it started) is SIGKILLed mid-run and the resubmitted run resumes
+from its last checkpoint; a SuperNode killed mid-run rejoins and catches up."""
+
+import json
+import re
+import time
+
+import pytest
+
+from fedrl.certs import make_node_key
+from fedrl.credentials import node_principal, token_for
+from fedrl.deploy.local import LocalDeployment
+from fedrl.store_client import BlockingStoreClient, StoreError
+from fedrl.strategies.checkpoint import load_latest
+
+pytestmark = pytest.mark.slow
+
+SMALL = dict(  # a short run: little compute per message, the per-message process start dominates
+    base_steps=2,
+    max_steps=3,
+    prompts=4,
+    samples=4,
+    buffer_size=2,
+    eval_every=2,
+    node_wait_s=90.0,
+    task_params=json.dumps({"length": 8, "num_eval": 128}),
+)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    with LocalDeployment(tmp_path_factory.mktemp("deploy"), nodes=3) as d:
+        d.up()
+        yield d
+
+
+def node_id(deployment, i: int) -> int:
+    """The SuperNode's id as it logged it (stable: the SuperLink ties it to the node's key)."""
+    found = re.findall(r"SuperNode ID: (\d+)", (deployment.logs / f"node-{i + 1}.log").read_text())
+    assert found, deployment.tail(f"node-{i + 1}")
+    return int(found[-1])
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_a_short_run_learns_through_tls_and_node_auth(deployment):
+    run_id = deployment.submit(versions=3, out_dir=str(deployment.root / "first"), **SMALL)
+    assert deployment.federation.wait_run(run_id, 400) == "finished:completed"
+    summary = json.loads((deployment.root / "first" / "summary.json").read_text())
+    assert summary["versions"] >= 3 and summary["counts"]["rejected"] == 0
+    assert summary["final_eval"] < summary["initial_eval"]
+    assert len(summary["clients"]) == 3  # every node took part
+    for client in summary["clients"].values():  # each measured itself and said so
+        assert client["step_s"] > 0 and client["link_bytes_per_s"] > 0 and client["memory_mb"] > 50
+    pins = [json.loads((deployment.node_dir(i) / "coordinator-keys.json").read_text()) for i in range(3)]
+    assert all(p == pins[0] and list(p) == [deployment.store_url] for p in pins)
+
+
+def test_an_unregistered_supernode_is_refused(deployment):
+    key, _ = make_node_key(deployment.certs, "stranger")  # never registered with the SuperLink
+    name = deployment.node_name(3)
+    deployment.start_node(3, key=key)
+    deployment.procs[name].wait(60)
+    assert deployment.procs[name].returncode != 0
+    assert "Failed to activate SuperNode" in (deployment.logs / f"{name}.log").read_text()
+    assert deployment.federation.online_nodes() == 3
+
+
+def test_a_wrong_store_token_is_refused_and_logged(deployment):
+    secret = (deployment.certs / "store.secret").read_bytes().strip()
+    ca = str(deployment.certs / "ca.pem")
+    thief = BlockingStoreClient(
+        deployment.store_url, node_principal(1), token_for(secret, node_principal(2)), ca_file=ca
+    )
+    try:
+        with pytest.raises(StoreError, match="HTTP 403"):
+            thief.put(b"not mine to upload")
+    finally:
+        thief.close()
+    log = wait_for(
+        lambda: "refused PUT" in (text := (deployment.logs / "patch-store.log").read_text()) and text,
+        10,
+        "the store's log line",
+    )
+    assert "node-1" in log and "does not verify" in log
+
+
+def test_killed_superlink_resumes_from_checkpoint_and_a_killed_node_catches_up(deployment):
+    out = deployment.root / "restart"
+    config = dict(versions=6, out_dir=str(out), deadline_s=40.0, **SMALL)
+    run_id = deployment.submit(**config)
+    wait_for(lambda: (c := load_latest(out / "checkpoints")) and c[0] >= 2, 300, "checkpoint v2")
+    coordinator_key = (deployment.state / "coordinator" / "coordinator.key").read_bytes()
+
+    deployment.kill("superlink")  # SIGKILL to the SuperLink and the ServerApp it started
+    kept_version = load_latest(out / "checkpoints")[0]
+    assert not (out / "summary.json").exists()
+    deployment.start_superlink()  # same database: the registered nodes come back by themselves
+    deployment.federation.wait_nodes(3)
+    assert deployment.federation.run_status(run_id).startswith(("finished", "running", "starting", "pending"))
+
+    run_id = deployment.submit(**config)  # Flower cannot resume a run: a new one resumes the state
+    victim = node_id(deployment, 2)
+    wait_for(lambda: (c := load_latest(out / "checkpoints")) and c[0] >= kept_version + 1, 300, "progress")
+    killed_at = time.time()
+    deployment.kill("node-3")
+    deployment.start_node(2)  # the same key: the same node id, a fresh process with no state
+    assert deployment.federation.wait_run(run_id, 500) == "finished:completed"
+
+    summary = json.loads((out / "summary.json").read_text())
+    resumed = [e for e in summary["events"] if e["kind"] == "resumed"]
+    assert resumed and resumed[0]["from_version"] == kept_version  # nothing lost but the round in flight
+    assert summary["versions"] >= 6 and summary["final_eval"] <= summary["initial_eval"]
+    assert (deployment.state / "coordinator" / "coordinator.key").read_bytes() == coordinator_key
+    assert node_id(deployment, 2) == victim
+    after_kill = killed_at - summary["started_at"]  # on the coordinator's clock
+    replies = [e for e in summary["events"] if e["kind"] == "reply" and e["node"] == victim]
+    assert any(e["t"] > after_kill for e in replies), "the restarted node never replied again"
