@@ -108,9 +108,9 @@ def cmd_deploy(args) -> int:
         checkpoints = deployment.run_dir / "checkpoints"
 
         def status_line(status: str) -> None:
-            versions = sorted(checkpoints.glob("ckpt-*.json"))
-            latest = versions[-1].stem.removeprefix("ckpt-").lstrip("0") or "0" if versions else "-"
-            print(f"\rrun {run_id}: {status}, last checkpoint v{latest}   ", end="", flush=True)
+            saved = sorted(checkpoints.glob("ckpt-*.json"))
+            latest = f"v{int(saved[-1].stem.removeprefix('ckpt-'))}" if saved else "none yet"
+            print(f"\rrun {run_id}: {status}, last checkpoint {latest}   ", end="", flush=True)
 
         status = deployment.federation.wait_run(run_id, args.timeout, status_line)
         print(f"\rrun {run_id}: {status}" + " " * 30)

@@ -90,9 +90,12 @@ class Federation:
             if "already in use" not in str(err):
                 raise
 
+    def node_status(self) -> dict[int, str]:
+        """Every registered node's status (online, offline, registered) as the SuperLink sees it."""
+        return {int(n["node-id"]): n["status"] for n in self.call("supernode", "list", CONNECTION)["nodes"]}
+
     def online_nodes(self) -> int:
-        nodes = self.call("supernode", "list", CONNECTION)["nodes"]
-        return sum(n["status"] == "online" for n in nodes)
+        return sum(status == "online" for status in self.node_status().values())
 
     def wait_nodes(self, count: int, timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s

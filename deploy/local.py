@@ -58,6 +58,7 @@ class LocalDeployment:
         self.store_port = free_port(host)
         self.node_ports: dict[int, int] = {}  # SuperNode i's own Runtime API port, picked on first start
         self.procs: dict[str, subprocess.Popen] = {}
+        self.prepare()
 
     # ------------------------------------------------------------------ set-up
 
@@ -69,7 +70,8 @@ class LocalDeployment:
         return f"node-{i + 1}"
 
     def prepare(self) -> None:
-        """Certificates, node keys, the store secret and the CLI's connection profile."""
+        """Certificates, node keys, the store secret and the CLI's connection profile (files that
+        exist are kept: a deployment folder can be reused)."""
         for d in (self.logs, self.state, self.run_dir, self.flwr_home):
             d.mkdir(parents=True, exist_ok=True)
         make_ca(self.certs)
@@ -165,8 +167,7 @@ class LocalDeployment:
         )
 
     def up(self) -> None:
-        """Everything but the run: certificates, store, SuperLink, registered and started nodes."""
-        self.prepare()
+        """Everything but the run: store, SuperLink, registered and started nodes."""
         self.start_store()
         self.start_superlink()
         for i in range(self.num_nodes):

@@ -359,6 +359,7 @@ class Coordinator:
             reward=r.reward,
             steps=r.steps,
             staleness=r.staleness,
+            synced_version=r.synced_version,
             bytes_up=r.bytes_up,
             bytes_down=r.bytes_down,
         )

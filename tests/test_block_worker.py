@@ -74,11 +74,17 @@ def test_report_rejects_a_bad_upload_key():
         bytes_up=0,
         bytes_down=0,
         staleness=0,
+        link_bytes_per_s=0.0,
+        memory_mb=100.0,
     )
     with pytest.raises(SchemaError, match="SHA-256"):
         TrainReport.parse(fields)
     with pytest.raises(SchemaError, match="duration_s must be a finite number"):
         TrainReport.parse({**fields, "upload_key": "", "duration_s": float("nan")})
+    with pytest.raises(SchemaError, match="memory_mb must be a finite number"):  # measured, still checked
+        TrainReport.parse({**fields, "upload_key": "", "memory_mb": -1.0})
+    with pytest.raises(SchemaError, match="link_bytes_per_s: Field required"):
+        TrainReport.parse({k: v for k, v in fields.items() if k != "link_bytes_per_s"})
 
 
 def test_run_config_from_flower_style_keys_and_errors():

@@ -33,8 +33,14 @@ class ChurnView:
         return replies
 
 
-def test_run_simulation_survives_churn_and_dropouts(tmp_path):
+def test_run_simulation_survives_churn_and_dropouts(tmp_path, monkeypatch):
     from fake_grid import small_config
+
+    from fedrl.strategies.coordinator import Coordinator
+
+    # membership is read every turn, so the departure between the 2nd and 5th reply is seen
+    # however fast this machine runs the rounds (by default it is read at most once a second)
+    monkeypatch.setattr(Coordinator, "refresh_every_s", 0.0)
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 

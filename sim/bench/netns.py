@@ -117,8 +117,7 @@ class Topology:
 def shape(ns: str, dev: str, bits_s: int) -> None:
     """A token bucket filter on the device's egress: `bits_s` with a burst of a few packets."""
     burst = max(3200, bits_s // 8 // 100)
-    run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{bits_s}bit")
-    run("tc", "-n", ns, "qdisc", "change", "dev", dev, "root", "tbf", "rate", f"{bits_s}bit",
+    run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{bits_s}bit",
         "burst", str(burst), "latency", "400ms")  # fmt: skip
 
 
