@@ -222,11 +222,14 @@ class LocalDeployment:
             except subprocess.TimeoutExpired:
                 self.signal(name, signal.SIGKILL)
                 proc.wait(10)
-        for name in self.procs:  # a group may outlive its leader: sweep what is left
-            try:
-                os.killpg(self.procs[name].pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        for name in self.procs:  # a group may outlive its leader: sweep what is left, wait till it is gone
+            group, gone_by = self.procs[name].pid, time.monotonic() + 10
+            while time.monotonic() < gone_by:
+                try:
+                    os.killpg(group, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    break
+                time.sleep(0.05)
 
     def __enter__(self) -> LocalDeployment:
         return self
