@@ -68,7 +68,16 @@ def cmd_patch_store(args) -> int:
     from fedrl.patch_store import serve
 
     secret = read_secret(args.secret_file)
-    serve(args.host, args.port, secret, args.certfile, args.keyfile, args.max_object_mb << 20)
+    serve(
+        args.host,
+        args.port,
+        secret,
+        args.certfile,
+        args.keyfile,
+        args.max_object_mb << 20,
+        args.max_total_mb << 20,
+        args.max_node_mb << 20,
+    )
     return 0
 
 
@@ -220,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--certfile", help="TLS certificate (PEM); with --keyfile serves HTTPS")
     p.add_argument("--keyfile")
     p.add_argument("--max-object-mb", type=int, default=256)
+    p.add_argument("--max-total-mb", type=int, default=4096, help="a quarter is kept for the coordinator")
+    p.add_argument("--max-node-mb", type=int, default=512, help="what one node's uploads may hold at once")
     p.set_defaults(func=cmd_patch_store)
 
     p = sub.add_parser("certs", help="make a deployment's CA, server certificate, node keys and store secret")

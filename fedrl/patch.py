@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -403,8 +404,10 @@ def _check_header(raw) -> PatchHeader:
         fine = (
             isinstance(e, dict)
             and isinstance(e.get("name"), str)
-            and e.get("dtype") in _DTYPE_NAMES
-            and e.get("mode") in ("same", "dense", "raw", "bitdiff", "ulp1")
+            and isinstance(e.get("dtype"), str)  # a list or dict is no key of a table: check the kind first
+            and e["dtype"] in _DTYPE_NAMES
+            and isinstance(e.get("mode"), str)
+            and e["mode"] in ("same", "dense", "raw", "bitdiff", "ulp1")
             and _is_int(e.get("count"))
             and isinstance(e.get("shape"), list)
             and all(_is_int(s) and 0 <= s < 2**40 for s in e["shape"])
@@ -485,7 +488,7 @@ def _decode_tensor(e: dict, base, sections: _Sections, anchor: bool) -> torch.Te
         e["mode"],
         e["count"],
     )
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    numel = math.prod(shape)  # exact: an int64 product can wrap to a size that seems to fit
     if not 0 <= count <= numel:
         raise CorruptPatch(f"{name}: count {count} outside [0, {numel}]")
     np_dtype = _BITS[dtype][1]

@@ -39,12 +39,29 @@ class StoreState:
     secret: bytes
     max_object_bytes: int = 256 << 20
     max_total_bytes: int = 4 << 30
+    max_node_bytes: int = 512 << 20  # what one node's uploads may hold at once
     objects: dict[str, StoredObject] = field(default_factory=dict)
     catalog: dict = field(default_factory=lambda: {"latest": None, "refs": [], "public_key": None})
 
     @property
     def total_bytes(self) -> int:
         return sum(len(o.data) for o in self.objects.values())
+
+    def held_by(self, principal: str) -> int:
+        return sum(len(o.data) for o in self.objects.values() if principal in o.uploaders)
+
+    def room_for(self, principal: str, size: int) -> str | None:
+        """Why an upload of `size` bytes by `principal` does not fit, or None. Nodes share three
+        quarters of the store, each within its own quota: the coordinator's publishes always fit."""
+        if self.total_bytes + size > self.max_total_bytes:
+            return "store is full"
+        if principal == ADMIN:
+            return None
+        if self.held_by(principal) + size > self.max_node_bytes:
+            return f"{principal} is over its quota of {self.max_node_bytes} bytes"
+        if self.total_bytes + size > self.max_total_bytes * 3 // 4:
+            return "the rest of the store is reserved for the coordinator"
+        return None
 
 
 def _digest(request: web.Request) -> str:
@@ -108,8 +125,9 @@ def make_app(state: StoreState) -> web.Application:
         if digest in state.objects:
             state.objects[digest].uploaders.add(principal)
             return web.json_response({"digest": digest, "stored": False}, status=200)
-        if state.total_bytes + len(body) > state.max_total_bytes:
-            raise web.HTTPInsufficientStorage(text="store is full")
+        refused = state.room_for(principal, len(body))
+        if refused:
+            raise web.HTTPInsufficientStorage(text=refused)
         state.objects[digest] = StoredObject(body, {principal})
         return web.json_response({"digest": digest, "stored": True}, status=201)
 
@@ -264,10 +282,12 @@ def serve(
     certfile: str | None = None,
     keyfile: str | None = None,
     max_object_bytes: int = 256 << 20,
+    max_total_bytes: int = 4 << 30,
+    max_node_bytes: int = 512 << 20,
 ) -> None:
     """`fedrl patch-store`: the store as its own service (deployments)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tls = ssl_context(certfile, keyfile)
-    state = StoreState(secret, max_object_bytes=max_object_bytes)
+    state = StoreState(secret, max_object_bytes, max_total_bytes, max_node_bytes)
     print(json.dumps({"patch_store": f"{'https' if certfile else 'http'}://{host}:{port}"}), flush=True)
     web.run_app(make_app(state), host=host, port=port, ssl_context=tls, print=None)

@@ -25,7 +25,7 @@ from fedrl.blocks import ALL_BLOCKS
 from fedrl.clock import Clock, RealClock
 from fedrl.credentials import ADMIN, load_or_create_secret, node_principal, read_secret, token_for
 from fedrl.lora import build_adapter_model
-from fedrl.patch import PatchError, apply_patch
+from fedrl.patch import PatchError, PatchLimits, apply_patch
 from fedrl.patch_chain import PatchPublisher
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import MESSAGE_TYPE, TrainInstruction, TrainReport
@@ -53,6 +53,15 @@ class Dispatch:
     watchdog: float  # time.monotonic() after which the message is given up
     arrived: bool = False  # the Grid delivered the reply; the clock decides when it is handled
     expired: bool = False  # the round outlasted the deadline on the run's clock
+
+
+def upload_limits(tensors: list) -> PatchLimits:
+    """What an honest upload of these tensors can take: every value changed, with its index
+    (8 bytes at most each), plus a header. A bigger patch or body is refused before it is
+    downloaded or decompressed (no decompression bombs)."""
+    raw = sum(t.numel() * t.element_size() for t in tensors)
+    bound = 2 * raw + 8 * sum(t.numel() for t in tensors) + (1 << 20)
+    return PatchLimits(max_patch_bytes=bound, max_body_bytes=bound)
 
 
 class Coordinator:
@@ -372,20 +381,36 @@ class Coordinator:
                 raise ValueError(f"staleness {staleness} is outside [0, {self.agg.max_staleness}]")
             if not ALL_BLOCKS <= r.upload_block < self.cfg.num_blocks:
                 raise ValueError(f"upload block {r.upload_block} does not exist")
+            if (r.upload_block == ALL_BLOCKS) != (self.cfg.mode == "fedavg-lora"):
+                kind = "whole-adapter upload" if r.upload_block == ALL_BLOCKS else "block upload"
+                raise ValueError(f"a {kind} in {self.cfg.mode} mode")
             meta = self.admin.meta(r.upload_key)
             if node_principal(node) not in meta["uploaders"]:
                 raise ValueError(f"object was uploaded by {meta['uploaders']}, not by node {node}")
             base = self.publisher.state(r.upload_base_version)
             if base is None:
                 raise ValueError(f"base version {r.upload_base_version} is no longer retained (too stale)")
-            if r.upload_block == ALL_BLOCKS:
-                names = list(self.global_state)
-                new = apply_patch(None, self.admin.get(r.upload_key))
-            else:
-                names = self.adapter.part.names(r.upload_block)
-                new = apply_patch({n: base[n] for n in names}, self.admin.get(r.upload_key))
+            names = (
+                list(self.global_state)
+                if r.upload_block == ALL_BLOCKS
+                else self.adapter.part.names(r.upload_block)
+            )
+            limits = upload_limits([base[n] for n in names])
+            if meta["size"] > limits.max_patch_bytes:  # refused before the download
+                raise ValueError(f"upload of {meta['size']} bytes, more than the block can need")
+            blob = self.admin.get(r.upload_key, max_bytes=limits.max_patch_bytes)
+            new = apply_patch(
+                None if r.upload_block == ALL_BLOCKS else {n: base[n] for n in names}, blob, limits=limits
+            )
             if set(new) != set(names):
                 raise ValueError("the upload does not carry exactly the block's tensors")
+            odd = [n for n in names if new[n].shape != base[n].shape or new[n].dtype != base[n].dtype]
+            if odd:  # an anchor upload decides its own shapes: a wrong one would crash or broadcast
+                n = odd[0]
+                raise ValueError(
+                    f"{len(odd)} tensor(s) differ in shape or dtype from the global ones, e.g. {n}: "
+                    f"{new[n].dtype}{tuple(new[n].shape)} for {base[n].dtype}{tuple(base[n].shape)}"
+                )
             delta = {n: new[n].float() - base[n].float() for n in names}
             update = Update(node, r.upload_block, delta, r.upload_samples, staleness)
             reason = rejection_reason(update, self.agg)

@@ -6,12 +6,14 @@ round finish together (FedCompass's idea): K_i = target_s / s_i, clamped.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
 
 POLICIES = ("cyclic", "random", "lru")
+MIN_STEP_S = 1e-6  # a floor on reported seconds per step
 
 
 @dataclass
@@ -56,7 +58,10 @@ class BlockScheduler:
         self.last_update[block] = version
 
     def observe_speed(self, node: int, seconds_per_step: float) -> None:
-        if seconds_per_step > 0:
+        """Reported seconds per step, floored at MIN_STEP_S: no learner step is faster, and a
+        client reporting 5e-324 s must not make the step count infinite (or the EMA zero)."""
+        if seconds_per_step > 0 and math.isfinite(seconds_per_step):
+            seconds_per_step = max(seconds_per_step, MIN_STEP_S)
             old = self.speed.get(node)
             self.speed[node] = seconds_per_step if old is None else 0.5 * old + 0.5 * seconds_per_step
 

@@ -139,3 +139,78 @@ def test_a_second_run_in_the_same_process_starts_from_the_fresh_adapter(tmp_path
     assert first["final_eval"] != first["initial_eval"]
     second = run_coordinator(FakeGrid(3, client_app), config(tmp_path / "b", versions=1))
     assert second["initial_eval"] == first["initial_eval"]
+
+
+def test_a_dishonest_node_with_a_valid_credential_cannot_crash_the_coordinator(tmp_path):
+    """Three ways that crashed it: a whole-adapter upload in block mode, a block whose tensors
+    have the wrong shapes (transposed; one element, which would broadcast), and a report of
+    5e-324 s for one step (the scheduler's step count overflowed)."""
+    from fedrl.patch import encode_patch
+    from fedrl.store_client import BlockingStoreClient
+
+    grid = None
+
+    def upload(node, instr, tensors, base_version):
+        store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
+        try:
+            return store.put(encode_patch(None, tensors, None, base_version))
+        finally:
+            store.close()
+
+    def script(node, msg, reply):
+        if reply.has_error():
+            return reply
+        instr, report = msg.content["instruction"], reply.content["report"]
+        held = grid.contexts[node].state["held"].to_torch_state_dict()
+        base_version = report["upload_base_version"]
+        if node == 1:  # the whole adapter, x100, reported as a whole-adapter upload in block mode
+            key = upload(node, instr, {n: 100 * t for n, t in held.items()}, base_version)
+            return _with_report(msg, reply, upload_key=key, upload_block=-1)
+        if node == 2:  # its block with every matrix transposed, or shrunk to one element
+            names = [n for n in held if f".layers.{report['upload_block']}." in n]
+            odd = {
+                n: held[n].t().contiguous() if instr["version"] % 2 else held[n].reshape(-1)[:1]
+                for n in names
+            }
+            return _with_report(msg, reply, upload_key=upload(node, instr, odd, base_version))
+        return _with_report(msg, reply, compute_s=5e-324, steps=1)  # node 3: impossibly fast
+
+    grid = FakeGrid(3, client_app, script)
+    cfg = config(tmp_path, mode="block-sequential", sync=True, versions=3, stall_replies=12)
+    summary = run_coordinator(grid, cfg)
+    assert summary["versions"] >= 3  # node 3's updates are honest and keep the run going
+    reasons = {}
+    for e in summary["events"]:
+        if e["kind"] == "rejected":
+            reasons.setdefault(e["node"], []).append(e["reason"])
+    assert all("whole-adapter upload" in r for r in reasons[1])
+    assert reasons[2] and all("shape" in r for r in reasons[2])
+    assert 3 not in reasons
+
+
+def test_an_upload_that_would_decompress_far_beyond_its_block_is_refused_unopened(tmp_path):
+    import struct
+
+    import zstandard
+
+    from fedrl.store_client import BlockingStoreClient
+
+    frame = zstandard.ZstdCompressor(level=3).compress(bytes(64 << 20))  # 64 MiB of zeros in a few KB
+    bomb = struct.pack("<4sBQ", b"FRLP", 1, len(frame)) + frame
+
+    def script(node, msg, reply):
+        if reply.has_error() or node != 1:
+            return reply
+        instr = msg.content["instruction"]
+        store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
+        try:
+            return _with_report(msg, reply, upload_key=store.put(bomb))
+        finally:
+            store.close()
+
+    summary = run_coordinator(
+        FakeGrid(3, client_app, script), config(tmp_path, mode="block-sequential", sync=True, versions=2)
+    )
+    assert summary["versions"] >= 2
+    reasons = [e["reason"] for e in summary["events"] if e["kind"] == "rejected" and e["node"] == 1]
+    assert reasons and all("would decompress to 67108864 bytes" in r for r in reasons)

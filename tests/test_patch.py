@@ -1,3 +1,4 @@
+import json
 import struct
 
 import numpy as np
@@ -236,3 +237,41 @@ def test_apply_never_modifies_the_base():
         body = bytearray(_body(patch))
         body[-1] ^= 0x01  # last value byte: structure intact, content wrong
         apply_patch(base, _rewrap(bytes(body)))
+
+
+def _with_header(patch: bytes, edit) -> bytes:
+    """The patch with its header JSON edited by `edit` (behind a valid frame)."""
+    body = _body(patch)
+    (hlen,) = struct.unpack_from("<I", body)
+    header = json.loads(body[4 : 4 + hlen])
+    edit(header)
+    raw = json.dumps(header).encode()
+    return _rewrap(struct.pack("<I", len(raw)) + raw + body[4 + hlen :])
+
+
+@pytest.mark.parametrize("bad", [["bfloat16"], {"x": 1}, 7, None])
+def test_a_header_field_of_the_wrong_kind_is_a_patch_error(bad):
+    base, patch, _ = _fuzz_cases()[0]
+
+    def edit(header):
+        header["tensors"][0]["dtype"] = bad
+
+    with pytest.raises(CorruptPatch, match="malformed tensor entry"):
+        apply_patch(base, _with_header(patch, edit))
+
+    def edit_mode(header):
+        header["tensors"][0]["mode"] = bad
+
+    with pytest.raises(CorruptPatch, match="malformed tensor entry"):
+        apply_patch(base, _with_header(patch, edit_mode))
+
+
+def test_a_shape_whose_size_overflows_is_refused_before_any_allocation():
+    _, anchor, _ = _fuzz_cases()[1]
+
+    def edit(header):  # 2**64 elements, which wrap to 0 in int64: an empty dense section "fits"
+        first = header["tensors"][0]
+        header["tensors"] = [{**first, "shape": [2**32, 2**32], "count": 0, "values": [0, 0]}]
+
+    with pytest.raises(CorruptPatch):
+        apply_patch(None, _with_header(anchor, edit))

@@ -189,3 +189,27 @@ def test_standalone_service_with_tls(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_node_cannot_fill_the_store_for_everyone():
+    """Each node has a quota, and nodes together may use only what the coordinator leaves them:
+    one node filling the store used to make the next publish fail with 507 and end the run."""
+    secret = new_secret()
+    state = StoreState(secret, max_object_bytes=1 << 20, max_total_bytes=8 << 20, max_node_bytes=3 << 20)
+    with PatchStoreServer(state) as server:
+        hog, other, admin = (client(server, secret, p) for p in (node_principal(1), node_principal(2), ADMIN))
+        try:
+            for i in range(3):
+                hog.put(bytes([i]) * (1 << 20))
+            with pytest.raises(StoreError, match="507.*quota"):
+                hog.put(b"one more" * 1000)
+            for i in range(3):  # another node fills its own quota: nodes now hold 6 of 8 MiB
+                other.put(bytes([100 + i]) * (1 << 20))
+            third = client(server, secret, node_principal(3))
+            with pytest.raises(StoreError, match="507.*reserved for the coordinator"):
+                third.put(b"x" * (1 << 19))
+            third.close()
+            admin.put(b"a global patch" * 50_000)  # the coordinator still publishes
+        finally:
+            for c in (hog, other, admin):
+                c.close()

@@ -53,3 +53,12 @@ def test_bad_settings():
         BlockScheduler(num_blocks=2, policy="alphabetical")
     with pytest.raises(ValueError):
         BlockScheduler(num_blocks=2, base_steps=0)
+
+
+def test_impossible_step_times_cannot_overflow_the_step_count():
+    s = BlockScheduler(num_blocks=2, base_steps=4, min_steps=1, max_steps=16)
+    s.observe_speed(1, 1.0)
+    for liar in (5e-324, 0.0, float("inf"), float("nan"), -1.0):
+        s.observe_speed(2, liar)
+    s.observe_speed(2, 5e-324)  # twice: the EMA of two tiny values underflowed to 0 before the floor
+    assert s.steps_for(2) == 16 and s.steps_for(1) >= 1
