@@ -30,6 +30,16 @@ def _fsync_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def remove_leftovers(directory: Path) -> None:
+    """What a write killed midway leaves: temporary files, and tensor files whose manifest
+    (written last) never came. Run before the writer starts, so nothing is being written."""
+    for tmp in directory.glob("ckpt-*.tmp"):
+        tmp.unlink(missing_ok=True)
+    for tensors in directory.glob("ckpt-*.safetensors"):
+        if not tensors.with_suffix(".json").exists():
+            tensors.unlink(missing_ok=True)
+
+
 class CheckpointError(OSError):
     """A checkpoint could not be written; the run should stop and say why."""
 
@@ -38,6 +48,7 @@ class Checkpointer:
     def __init__(self, directory: str | Path, keep: int = 3):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(self.directory)
         self.keep = keep
         self._pending: tuple | None = None
         self._cond = threading.Condition()

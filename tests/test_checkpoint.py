@@ -73,3 +73,22 @@ def test_killed_coordinator_restarts_from_its_checkpoint(tmp_path):
     assert not list(ckpt_dir.glob("*.tmp"))
     for manifest in ckpt_dir.glob("ckpt-*.json"):
         json.loads(manifest.read_text())  # every manifest left is whole
+
+
+def test_leftovers_of_a_write_killed_midway_are_removed_at_start_up(tmp_path):
+    from fedrl.strategies.checkpoint import Checkpointer, load_latest
+
+    ck = Checkpointer(tmp_path)
+    ck.write(3, {"w": torch.ones(2)}, {})
+    ck.close()
+    (tmp_path / "ckpt-00000004.safetensors.tmp").write_bytes(b"half a tensor file")
+    (tmp_path / "ckpt-00000004.safetensors").write_bytes(b"whole, but its manifest never came")
+    (tmp_path / "ckpt-00000004.json.tmp").write_bytes(b"{")
+    (tmp_path / "notes.txt").write_text("not ours")
+    Checkpointer(tmp_path).close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-00000003.json",
+        "ckpt-00000003.safetensors",
+        "notes.txt",
+    ]
+    assert load_latest(tmp_path)[0] == 3
