@@ -65,8 +65,7 @@ def save_state(state: RecordDict, s: ClientState) -> None:
 def trust_coordinator(state: RecordDict, state_dir: str, instr: TrainInstruction) -> None:
     """Pin the coordinator's key on first sight (on disk when the node has a state dir, else for
     the run); raise KeyChanged when a message brings another."""
-    remembered = state.config_records.get("pins")
-    pins = load_pins(state_dir) if state_dir else dict(remembered or {})
+    pins = load_pins(state_dir) if state_dir else dict(state.config_records.get("pins") or {})
     updated = check_pin(pins, instr.store_url, instr.public_key)
     if updated != pins:
         save_pins(state_dir, updated)
