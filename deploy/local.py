@@ -187,7 +187,7 @@ class LocalDeployment:
                 "out-dir": str(self.run_dir),
                 "state-dir": str(self.state / "coordinator"),
                 "min-nodes": self.num_nodes,
-                **{k.replace("_", "-"): v for k, v in overrides.items()},
+                **overrides,  # run_config spells keys with dashes; an override replaces the default above
             }
         )
 
@@ -216,19 +216,19 @@ class LocalDeployment:
         for name in reversed(list(self.procs)):
             self.signal(name, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for name, proc in self.procs.items():
+        for proc in self.procs.values():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.signal(name, signal.SIGKILL)
-                proc.wait(10)
-        for name in self.procs:  # a group may outlive its leader: sweep what is left, wait till it is gone
-            group, gone_by = self.procs[name].pid, time.monotonic() + 10
+                pass  # the sweep below kills it
+        for proc in self.procs.values():  # a group may outlive its leader: SIGKILL it until it is gone
+            gone_by = time.monotonic() + 10
             while time.monotonic() < gone_by:
                 try:
-                    os.killpg(group, signal.SIGKILL)
+                    os.killpg(proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     break
+                proc.poll()  # reap the leader: a zombie would keep its group alive
                 time.sleep(0.05)
 
     def __enter__(self) -> LocalDeployment:
