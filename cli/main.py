@@ -113,6 +113,11 @@ def cmd_deploy(args) -> int:
         print(f"SuperLink https://127.0.0.1:{deployment.superlink_port} (TLS, SuperNode auth)")
         print(f"patch store {deployment.store_url} (TLS); {args.nodes} SuperNodes online")
         print(f"logs in {deployment.logs}; FLWR_HOME={deployment.flwr_home} (connection fedrl)")
+        if args.volunteers:
+            invite_file = deployment.root / "invite.txt"
+            invite_file.write_text(deployment.invite(args.run_name, **overrides).encode() + "\n")
+            deployment.start_approver()
+            print(f"volunteers join with: fedrl volunteer join {invite_file} (approved as they enroll)")
         run_id = deployment.submit(**overrides)
         checkpoints = deployment.run_dir / "checkpoints"
 
@@ -134,6 +139,78 @@ def cmd_deploy(args) -> int:
         return 130
     finally:
         deployment.stop()
+
+
+def cmd_invite(args) -> int:
+    from fedrl.credentials import read_secret
+    from fedrl.deploy.local import INVITE_LEARNER_KEYS, app_learner_defaults
+    from fedrl.invite import make_invite
+    from fedrl.sim.runner import parse_overrides
+
+    learner = app_learner_defaults() | {
+        k.replace("-", "_"): v for k, v in parse_overrides(args.set or []).items()
+    }
+    unknown = set(learner) - set(INVITE_LEARNER_KEYS)
+    if unknown:
+        raise ValueError(f"an invite carries only {', '.join(INVITE_LEARNER_KEYS)}; not {sorted(unknown)}")
+    invite = make_invite(
+        args.run, args.superlink, args.store_url, args.ca_file, read_secret(args.secret_file), **learner
+    )
+    if args.out:
+        Path(args.out).write_text(invite.encode() + "\n")
+        print(f"invite for run {args.run!r} written to {args.out}")
+    else:
+        print(invite.encode())
+    return 0
+
+
+def cmd_approve(args) -> int:
+    from fedrl.credentials import read_secret
+    from fedrl.deploy.approver import Approver
+    from fedrl.deploy.federation import Federation
+
+    federation = Federation(args.flwr_home, args.superlink, args.ca_file)
+    secret = read_secret(args.secret_file)
+    approver = Approver(federation, args.store_url, secret, args.ca_file, args.keys_dir)
+    try:
+        if args.once:
+            print(f"approved {len(approver.approve_pending())} key(s)")
+        else:
+            print("approving invited volunteers' keys as they enroll; Ctrl-C stops")
+            approver.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        approver.close()
+    return 0
+
+
+def cmd_volunteer(args) -> int:
+    import datetime
+
+    from fedrl.volunteer.home import VolunteerHome, resolve_invite
+    from fedrl.volunteer.probe import Limits, probe_table, run_probe
+    from fedrl.volunteer.session import EXIT_BAD_INPUT, join, print_status
+
+    limits = Limits(args.max_cpu, args.max_memory, args.upload_kbps, args.download_kbps, args.round_s)
+    try:
+        invite = resolve_invite(args.invite, args.home)
+    except ValueError as err:
+        print(f"fedrl volunteer: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    home = VolunteerHome.for_run(invite.run, args.home)
+    if args.action == "status":
+        return print_status(home)
+    if args.action == "probe":
+        home.remember(invite)
+        print(probe_table(run_probe(invite, str(home.ca_file), limits)))
+        return 0
+    until = 0.0
+    if args.hours:
+        until = time.time() + args.hours * 3600
+    elif args.until:
+        until = datetime.datetime.fromisoformat(args.until).timestamp()
+    return join(invite, limits, args.home, args.on_exit, until, approval_timeout_s=args.approval_timeout)
 
 
 BENCHMARKS = {  # name: (module, what it measures); modules are imported only when run
@@ -256,6 +333,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=3600.0, help="give up on the run after this many s")
     p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="run config overrides, e.g. versions=8")
     p.set_defaults(func=cmd_deploy)
+
+    p.add_argument("--volunteers", action="store_true", help="local: DIR/invite.txt, approve keys")
+    p.add_argument("--run-name", default="local", help="local --volunteers: the run name in the invite")
+
+    p = sub.add_parser("invite", help="make an invite for volunteers (operator side)")
+    p.add_argument("--run", required=True, help="the federation's name (volunteers' files go under it)")
+    p.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink, as volunteers reach it")
+    p.add_argument("--store-url", required=True, help="https URL of the patch store, as volunteers reach it")
+    p.add_argument("--ca-file", required=True, help="the CA that signed both servers' certificates")
+    p.add_argument("--secret-file", required=True, help="the patch store's secret")
+    p.add_argument("--out", help="write the invite to this file (default: print it)")
+    p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="learner settings, e.g. model=tiny")
+    p.set_defaults(func=cmd_invite)
+
+    p = sub.add_parser("approve", help="register enrolled volunteer keys with the SuperLink")
+    p.add_argument("--superlink", required=True, help="HOST:PORT of the SuperLink")
+    p.add_argument("--store-url", required=True)
+    p.add_argument("--ca-file", required=True)
+    p.add_argument("--secret-file", required=True)
+    p.add_argument("--flwr-home", default=".fedrl-approver", help="the flwr CLI's profile folder")
+    p.add_argument("--keys-dir", default=".fedrl-approver/keys", help="where approved public keys are kept")
+    p.add_argument("--once", action="store_true", help="approve what is pending and exit")
+    p.set_defaults(func=cmd_approve)
+
+    p = sub.add_parser("volunteer", help="give this machine's compute to a federation (join, probe, status)")
+    p.add_argument("action", choices=["join", "probe", "status"])
+    p.add_argument("invite", nargs="?", help="invite string or file (default: the one joined)")
+    p.add_argument("--home", help="keep keys, state and logs under this folder (default: your user dirs)")
+    p.add_argument("--max-cpu", type=int, default=0, help="CPU threads (and cores) to use; 0: all")
+    p.add_argument("--max-memory", type=float, default=0.0, help="MB the node may use; 0: no limit")
+    p.add_argument("--upload-kbps", type=float, default=0.0, help="cap on uploads to the store; 0: none")
+    p.add_argument("--download-kbps", type=float, default=0.0, help="cap on downloads; 0: none")
+    p.add_argument("--round-s", type=float, default=60.0, help="the longest local compute of one round")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--hours", type=float, default=0.0, help="leave cleanly after this many hours")
+    when.add_argument("--until", help="leave cleanly at this time (ISO 8601, e.g. 2026-11-23T07:00)")
+    p.add_argument(
+        "--on-exit",
+        choices=["flush", "drop"],
+        default="flush",
+        help="on Ctrl-C: finish the round and hand in its delta (flush), or abandon it (drop)",
+    )
+    p.add_argument("--approval-timeout", type=float, default=600.0, help="seconds to wait for approval")
+    p.set_defaults(func=cmd_volunteer)
 
     listing = "; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items())
     p = sub.add_parser(

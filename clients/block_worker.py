@@ -28,7 +28,7 @@ from fedrl.clients.runtime import CommResult, Runtime, Timing, current_runtime
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.lora import AdapterModel
 from fedrl.patch import encode_patch
-from fedrl.patch_chain import PatchRef, synchronize
+from fedrl.patch_chain import PatchRef, cheapest_path, synchronize
 from fedrl.protocol import NO_UPLOAD, TrainInstruction, TrainReport
 from fedrl.rollout import rollout, score
 from fedrl.signing import load_public_key, verify_signed_patch
@@ -94,6 +94,7 @@ def communicate(
             if sync != "none":
                 public_key = load_public_key(instr.public_key.encode())
                 refs = [PatchRef(**r) for r in run(client.catalog())["refs"]]
+                result.full_sync_bytes = sum(r.size for r in cheapest_path(refs, None, instr.version) or [])
                 held = state.held if sync == "patch" else None
                 if sync == "full":
                     refs = [r for r in refs if r.base_version is None]
@@ -144,13 +145,18 @@ def handle(
     instr: TrainInstruction, state: ClientState, models: ModelCache, ca_file: str | None = None
 ) -> tuple[TrainReport, ClientState]:
     """Do what `instr` asks; returns the report and the state to keep for the next message.
-    `ca_file`: the CA of an https patch store (the node's own setting)."""
+    `ca_file`: the CA of an https patch store (the node's own setting). A node whose owner asked
+    it to leave (runtime.leaving()) trains no more: "flush" hands in its pending delta (a round
+    in progress is finished first), "drop" abandons the round and uploads nothing more."""
     start = time.perf_counter()
     runtime = current_runtime()
-    if instr.action == "flush":  # parablock's last round: push the pending delta
-        comm = _finish(*_comm_thread(instr, state, _encode_upload(state.pending), "none", runtime, ca_file))
+    leaving = runtime.leaving()
+    if instr.action == "flush" or leaving:  # parablock's last round, or a node on its way out
+        upload = _encode_upload(state.pending) if leaving != "drop" else None
+        comm = _finish(*_comm_thread(instr, state, upload, "none", runtime, ca_file))
         timing = runtime.timing(False, (start, start), 0, comm, None, start)
-        report = _report(state.pending, comm, timing, [], 0, state.held_version or 0)
+        uploaded = state.pending if upload is not None else None
+        report = _report(uploaded, comm, timing, [], 0, state.held_version or 0, "now" if leaving else "")
         return report, ClientState(state.local, state.held, state.held_version)
 
     adapter = models.get(instr.model, instr.lora_rank, instr.lora_alpha, instr.num_blocks)
@@ -163,7 +169,7 @@ def handle(
         if not overlapped:  # sequential modes, and a parablock client's first round: sync first
             _finish(thread, comm)
         local = state.local if overlapped else comm.held
-        base, corrected, metrics, compute = _train(
+        base, corrected, metrics, compute = train_steps(
             instr, adapter, names, local, comm, runtime, not overlapped
         )
     finally:
@@ -174,17 +180,20 @@ def handle(
         base = _correct(adapter, comm.held, base, names)
     new_local = adapter.part.get_all(adapter.lm.model)
     staleness = instr.version - (state.held_version or 0) if overlapped else 0
-    pending = Pending(
-        instr.block,
-        instr.version,
-        base,
-        {n: new_local[n].clone() for n in names},
-        instr.steps * instr.prompts * instr.samples,
-    )
+    leaving = runtime.leaving()  # asked during the round: "drop" abandoned it, "flush" finished it
+    pending = None
+    if leaving != "drop":
+        pending = Pending(
+            instr.block,
+            instr.version,
+            base,
+            {n: new_local[n].clone() for n in names},
+            len(metrics) * instr.prompts * instr.samples,
+        )
     after = None
     if instr.mode == "parablock":
         uploaded, keep = (state.pending if upload is not None else None), pending
-    else:  # sequential modes upload this round's delta after compute, through the same kind of link
+    elif pending is not None:  # sequential modes upload this round's delta after compute
         after = _finish(
             *_comm_thread(
                 instr,
@@ -197,14 +206,17 @@ def handle(
         )
         comm.upload_key = after.upload_key
         uploaded, keep = pending, None
+    else:
+        uploaded, keep = None, None
     timing = runtime.timing(overlapped, compute, len(metrics), comm, after, start)
     if after is not None:
         comm.links += after.links
-    report = _report(uploaded, comm, timing, metrics, staleness, instr.version)
+    farewell = ("after-flush" if keep is not None else "now") if leaving else ""
+    report = _report(uploaded, comm, timing, metrics, staleness, instr.version, farewell)
     return report, ClientState(new_local, comm.held, instr.version, keep)
 
 
-def _train(
+def train_steps(
     instr: TrainInstruction,
     adapter: AdapterModel,
     names: list[str],
@@ -233,6 +245,8 @@ def _train(
         runtime.perturb_rewards(batch.rewards, rng)
         metrics.append(lm_update(learner, lm.model, batch))
         runtime.pace(time.perf_counter() - step_start)
+        if runtime.leaving() == "drop":  # the owner abandons the round: no more steps
+            break
         if not corrected and runtime.landed(comm, len(metrics)) and comm.error is None:
             base, corrected = _correct(adapter, comm.held, base, names), True
     return base, corrected, metrics, (compute_start, time.perf_counter())
@@ -251,6 +265,7 @@ def _report(
     metrics: list[dict],
     staleness: int,
     synced: int,
+    leaving: str = "",
 ) -> TrainReport:
     def mean(key: str) -> float:
         values = [m[key] for m in metrics if key in m]
@@ -272,7 +287,9 @@ def _report(
         duration_s=timing.duration_s,
         bytes_up=comm.bytes_up,
         bytes_down=comm.bytes_down,
+        full_sync_bytes=comm.full_sync_bytes,
         staleness=staleness,
         link_bytes_per_s=(comm.bytes_up + comm.bytes_down) / timing.comm_s if timing.comm_s > 0 else 0.0,
         memory_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports KiB
+        leaving=leaving,
     )

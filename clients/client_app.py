@@ -3,12 +3,18 @@
 Per-node state (local adapter, held global adapter, pending delta) lives in
 `context.state`, which Flower keeps across the messages of a run. The app owns the
 process's model cache. The node's own settings (`--node-config`: the store's CA, a state
-directory) and the coordinator key it pinned are checked before any work
-(fedrl.clients.node). `app` is the real client; the simulation builds the same app with its
-own mod in front (fedrl.sim.apps).
+directory, its owner's limits) and the coordinator key it pinned are checked before any
+work (fedrl.clients.node). A node with a state directory (a volunteer's) also keeps its
+state on disk to resume from, keeps to the caps of its hardware probe, reports the probe,
+answers its owner's request to leave and writes its status (fedrl.node_files). `app` is the
+real client; the simulation builds the same app with its own mod in front (fedrl.sim.apps).
 """
 
 from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
@@ -16,9 +22,12 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from fedrl.clients.block_worker import ClientState, Pending, handle
+from fedrl.clients.disk_state import load_from_disk, save_to_disk
 from fedrl.clients.model_cache import ModelCache
 from fedrl.clients.node import NodeSettings, check_pin, load_pins, save_pins
-from fedrl.protocol import NO_UPLOAD, TrainInstruction
+from fedrl.clients.runtime import NodeRuntime, use_runtime
+from fedrl.node_files import PROBE, read_json, update_status
+from fedrl.protocol import NO_UPLOAD, HardwareProbe, TrainInstruction, TrainReport
 
 
 def _tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
@@ -72,6 +81,52 @@ def trust_coordinator(state: RecordDict, state_dir: str, instr: TrainInstruction
         state["pins"] = ConfigRecord(updated)
 
 
+def read_probe(state_dir: str) -> HardwareProbe | None:
+    data = read_json(Path(state_dir) / PROBE) if state_dir else None
+    return HardwareProbe.parse(data, f"{Path(state_dir) / PROBE}") if data is not None else None
+
+
+def within_caps(instr: TrainInstruction, probe: HardwareProbe | None) -> TrainInstruction:
+    """The node never takes on more than its probe chose, whatever it is asked."""
+    if probe is None:
+        return instr
+    return instr.replace(
+        steps=min(instr.steps, probe.steps_per_round), prompts=min(instr.prompts, probe.prompts)
+    )
+
+
+def node_runtime(node: NodeSettings):
+    """The runtime of a node with an owner (a state dir or link caps); None leaves the default
+    (the real world, or the simulation's runtime installed by its mod)."""
+    if not (node.state_dir or node.upload_kbps or node.download_kbps):
+        return None
+    return NodeRuntime(
+        node.cap_bytes_s(node.upload_kbps), node.cap_bytes_s(node.download_kbps), node.state_dir
+    )
+
+
+def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport) -> None:
+    old = update_status(state_dir)  # read what is there
+    update_status(
+        state_dir,
+        phase="left" if report.leaving == "now" else "idle",
+        version=instr.version,
+        synced_version=report.synced_version,
+        staleness=report.staleness,
+        reward=report.reward,
+        rounds=old.get("rounds", 0) + (1 if report.steps else 0),
+        steps=report.steps,
+        bytes_up=old.get("bytes_up", 0) + report.bytes_up,
+        bytes_down=old.get("bytes_down", 0) + report.bytes_down,
+        last_bytes_down=report.bytes_down,
+        last_full_sync_bytes=report.full_sync_bytes,  # what the cache saved: this minus the above
+        link_bytes_per_s=report.link_bytes_per_s,
+        step_s=report.compute_s / report.steps if report.steps else old.get("step_s", 0.0),
+        leaving=report.leaving,
+        updated_at=time.time(),
+    )
+
+
 def make_client_app(mods: list | None = None, models: ModelCache | None = None) -> ClientApp:
     app = ClientApp(mods=mods or [])
     cache = models or ModelCache()
@@ -82,10 +137,31 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
         try:
             node = NodeSettings.from_node_config(context.node_config)
             trust_coordinator(context.state, node.state_dir, instr)
+            probe = read_probe(node.state_dir)
         except ValueError as err:  # a refusal, with its reason, for the coordinator's log
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=msg)
-        report, new_state = handle(instr, load_state(context.state), cache, node.ca_file or None)
+        instr = within_caps(instr, probe)
+        if node.max_threads:
+            torch.set_num_threads(node.max_threads)
+        state = load_state(context.state)
+        if node.state_dir and state.held is None:  # a restarted node: resume from disk
+            state = load_from_disk(node.state_dir, instr.store_url) or state
+        runtime = node_runtime(node)
+        if node.state_dir:
+            update_status(node.state_dir, phase="working", version=instr.version, since=time.time())
+        try:
+            with use_runtime(runtime) if runtime else nullcontext():
+                report, new_state = handle(instr, state, cache, node.ca_file or None)
+        except Exception as err:
+            if node.state_dir:
+                update_status(node.state_dir, phase="idle", error=str(err)[:300])
+            raise
         save_state(context.state, new_state)
+        if node.state_dir:
+            save_to_disk(node.state_dir, instr.store_url, new_state)
+            record_status(node.state_dir, instr, report)
+        if probe is not None:
+            report = report.replace(hardware=probe.model_dump_json())
         return Message(RecordDict({"report": ConfigRecord(report.to_record())}), reply_to=msg)
 
     return app

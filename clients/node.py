@@ -1,7 +1,11 @@
 """What a real node knows about itself, from `flower-supernode --node-config`:
 
-  ca-file     the CA certificate that signed the patch store's TLS certificate (https stores)
-  state-dir   where the node keeps what must outlive its process: the coordinator key it pinned
+  ca-file        the CA certificate that signed the patch store's TLS certificate (https stores)
+  state-dir      where the node keeps what must outlive its process: the coordinator key it
+                 pinned, its client state, status and probe (fedrl.node_files)
+  max-threads    CPU threads the learner may use (0: torch's default)
+  upload-kbps    caps on the node's link to the patch store, kbit/s (0: none)
+  download-kbps
 
 And the pin itself: the first coordinator key a node sees for a patch store is the only one it
 trusts for that store afterwards. A restarted coordinator reads its key back from its state
@@ -32,12 +36,20 @@ class KeyChanged(ValueError):
 class NodeSettings(Schema):
     ca_file: str = ""
     state_dir: str = ""
+    max_threads: int = 0
+    upload_kbps: float = 0.0
+    download_kbps: float = 0.0
 
     @model_validator(mode="after")
     def _consistent(self):
         if self.ca_file and not Path(self.ca_file).is_file():
             raise ValueError(f"ca-file {self.ca_file!r} is not a readable file on this node")
+        if min(self.max_threads, self.upload_kbps, self.download_kbps) < 0:
+            raise ValueError("max-threads, upload-kbps and download-kbps must be >= 0")
         return self
+
+    def cap_bytes_s(self, kbps: float) -> float:
+        return kbps * 1000 / 8 if kbps else float("inf")
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodeSettings:

@@ -13,7 +13,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from fedrl.link import Link
+from fedrl.link import Link, RateLimitedLink
+from fedrl.node_files import leave_request
 
 
 @dataclass
@@ -22,6 +23,7 @@ class CommResult:
 
     held: dict | None = None  # the global adapter it synced to
     upload_key: str = ""
+    full_sync_bytes: int = 0  # the cheapest sync to the same version from nothing (what a cache saves)
     links: list[Link] = field(default_factory=list)
     intervals: list[tuple[float, float]] = field(default_factory=list)  # when the link was busy (wall clock)
     error: BaseException | None = None
@@ -82,6 +84,26 @@ class Runtime:
 
     def perturb_rewards(self, rewards, rng) -> None:
         """Faults of the reward signal (none on an honest client)."""
+
+    def leaving(self) -> str:
+        """ "" while the node stays; "flush" or "drop" once its owner asked it to leave."""
+        return ""
+
+
+@dataclass
+class NodeRuntime(Runtime):
+    """A real node with an owner: links held to the owner's caps (bytes/s, inf: none), and the
+    owner's request to leave read from the node's state directory (fedrl.node_files)."""
+
+    up_bytes_s: float = float("inf")
+    down_bytes_s: float = float("inf")
+    state_dir: str = ""
+
+    def open_link(self) -> Link:
+        return RateLimitedLink(self.up_bytes_s, self.down_bytes_s)
+
+    def leaving(self) -> str:
+        return leave_request(self.state_dir)
 
 
 REAL_WORLD = Runtime()  # stateless: one instance serves every message

@@ -25,7 +25,27 @@ from pathlib import Path
 
 from fedrl.certs import make_ca, make_node_key, make_server_cert
 from fedrl.credentials import load_or_create_secret
-from fedrl.deploy.federation import DeployError, Federation, tool
+from fedrl.deploy.federation import DeployError, Federation, app_config, tool
+from fedrl.invite import Invite, make_invite
+
+INVITE_LEARNER_KEYS = (
+    "model",
+    "task",
+    "task_params",
+    "num_blocks",
+    "lora_rank",
+    "lora_alpha",
+    "lr",
+    "prompts",
+    "samples",
+    "method",
+)
+
+
+def app_learner_defaults() -> dict:
+    """The deployment app's defaults of the learner settings an invite carries."""
+    config = {k.replace("-", "_"): v for k, v in app_config().items()}
+    return {k: config[k] for k in INVITE_LEARNER_KEYS}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -49,8 +69,8 @@ class LocalDeployment:
     """Start, stop, kill and restart the services of one local deployment (see the module doc)."""
 
     def __init__(self, root: str | Path, nodes: int = 3, host: str = "127.0.0.1", port: int = 0):
-        if nodes < 1:
-            raise ValueError("a deployment needs at least one node")
+        if nodes < 0:
+            raise ValueError("nodes must be >= 0 (0: volunteers only)")
         self.root, self.host, self.num_nodes = Path(root).resolve(), host, nodes
         self.certs, self.logs, self.state = self.root / "certs", self.root / "logs", self.root / "state"
         self.flwr_home, self.run_dir = self.root / "flwr", self.root / "run"
@@ -58,6 +78,7 @@ class LocalDeployment:
         self.store_port = free_port(host)
         self.node_ports: dict[int, int] = {}  # SuperNode i's own Runtime API port, picked on first start
         self.procs: dict[str, subprocess.Popen] = {}
+        self.approver = None
         self.prepare()
 
     # ------------------------------------------------------------------ set-up
@@ -175,6 +196,37 @@ class LocalDeployment:
             self.start_node(i)
         self.federation.wait_nodes(self.num_nodes)
 
+    # ------------------------------------------------------------------ volunteers
+
+    @property
+    def secret(self) -> bytes:
+        return load_or_create_secret(self.certs / "store.secret")
+
+    def invite(self, run: str = "local", **learner) -> Invite:
+        """An invite to this deployment, with the run's learner settings (the app's defaults,
+        then `learner`: model, task, ...)."""
+        chosen = app_learner_defaults() | {k.replace("-", "_"): v for k, v in learner.items()}
+        return make_invite(
+            run,
+            f"{self.host}:{self.superlink_port}",
+            self.store_url,
+            self.certs / "ca.pem",
+            self.secret,
+            **{k: chosen[k] for k in INVITE_LEARNER_KEYS},
+        )
+
+    def start_approver(self, say=print) -> None:
+        """Approve volunteers' enrolled keys (fedrl.deploy.approver) until the deployment stops."""
+        from fedrl.deploy.approver import Approver
+
+        self.approver = Approver(
+            self.federation,
+            self.store_url,
+            self.secret,
+            str(self.certs / "ca.pem"),
+            self.state / "volunteer-keys",
+        ).start(say)
+
     # ------------------------------------------------------------------ runs
 
     def submit(self, **overrides) -> int:
@@ -186,7 +238,7 @@ class LocalDeployment:
                 "store-ca-file": str(self.certs / "ca.pem"),
                 "out-dir": str(self.run_dir),
                 "state-dir": str(self.state / "coordinator"),
-                "min-nodes": self.num_nodes,
+                "min-nodes": max(1, self.num_nodes),  # volunteers only: override it
                 **overrides,  # run_config spells keys with dashes; an override replaces the default above
             }
         )
@@ -213,6 +265,9 @@ class LocalDeployment:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every service, then SIGKILL whatever is still there after `timeout_s`."""
+        if self.approver is not None:
+            self.approver.close()
+            self.approver = None
         for name in reversed(list(self.procs)):
             self.signal(name, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s

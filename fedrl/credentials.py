@@ -13,6 +13,7 @@ import secrets
 from pathlib import Path
 
 ADMIN = "admin"
+INVITE_PREFIX = "invite:"  # an invite's credential: it may enroll a node key and probe the link
 
 
 MIN_SECRET_BYTES = 16
@@ -59,6 +60,10 @@ def token_for(secret: bytes, principal: str) -> str:
 
 def node_principal(node_id: int) -> str:
     return f"node-{int(node_id)}"
+
+
+def invite_principal(run: str) -> str:
+    return f"{INVITE_PREFIX}{run}"
 
 
 def check_token(secret: bytes, principal: str, token: str) -> bool:

@@ -6,8 +6,15 @@
   DELETE /objects/{sha256}        admin only; ?principal=P releases only P's upload of it
   GET    /catalog                 published global patches: refs, latest version, public key
   POST   /catalog                 admin only: replace the catalog (objects it drops are deleted)
+  POST   /enroll                  an invite's holder asks to join: {"public_key", "name"}
+  GET    /enroll/{fingerprint}    that request's status: pending, approved or refused (invite)
+  GET    /enroll                  admin only: every request, for the operator's approver
+  POST   /enroll/{fingerprint}    admin only: {"status": "approved" | "refused", "reason"}
+  GET    /probe?bytes=N           N random bytes (N <= 16 MiB), to measure a link's download
+  POST   /probe                   a body that is read and dropped, to measure a link's upload
 
-Credentials: `Authorization: Bearer <token>` with `X-Principal: node-<id>` or `admin`.
+Credentials: `Authorization: Bearer <token>` with `X-Principal: node-<id>`, `admin`, or
+`invite:<run>` (what `fedrl invite` hands to volunteers: it may enroll a key and probe, nothing else).
 """
 
 from __future__ import annotations
@@ -16,15 +23,20 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import ssl
 import threading
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from fedrl.credentials import ADMIN, check_token
+from fedrl.credentials import ADMIN, INVITE_PREFIX, check_token
+from fedrl.signing import key_fingerprint_ssh
 
 HASH_CHARS = set("0123456789abcdef")
+MAX_PROBE_BYTES = 16 << 20
+MAX_ENROLLMENTS = 1000
+ENROLL_STATUS = ("pending", "approved", "refused")
 log = logging.getLogger("fedrl.patch_store")
 
 
@@ -42,6 +54,7 @@ class StoreState:
     max_node_bytes: int = 512 << 20  # what one node's uploads may hold at once
     objects: dict[str, StoredObject] = field(default_factory=dict)
     catalog: dict = field(default_factory=lambda: {"latest": None, "refs": [], "public_key": None})
+    enrollments: dict[str, dict] = field(default_factory=dict)  # fingerprint -> request
 
     @property
     def total_bytes(self) -> int:
@@ -71,7 +84,8 @@ def _digest(request: web.Request) -> str:
     return digest
 
 
-def _principal(request: web.Request, state: StoreState, admin: bool = False) -> str:
+def _principal(request: web.Request, state: StoreState, admin: bool = False, invite_ok: bool = False) -> str:
+    """The verified principal. An invite's credential only opens what `invite_ok` allows."""
     auth, principal = request.headers.get("Authorization", ""), request.headers.get("X-Principal", "")
     if not auth.startswith("Bearer ") or not principal:
         raise web.HTTPUnauthorized(
@@ -81,7 +95,16 @@ def _principal(request: web.Request, state: StoreState, admin: bool = False) -> 
         raise web.HTTPForbidden(text=f"credential does not verify for {principal!r}")
     if admin and principal != ADMIN:
         raise web.HTTPForbidden(text="this operation needs the coordinator's credential")
+    if principal.startswith(INVITE_PREFIX) and not invite_ok:
+        raise web.HTTPForbidden(text="an invite may only enroll a key and probe the link")
     return principal
+
+
+def _fingerprint(request: web.Request, state: StoreState) -> str:
+    fingerprint = request.match_info["fingerprint"]
+    if fingerprint not in state.enrollments:
+        raise web.HTTPNotFound(text="no enrollment with this fingerprint")
+    return fingerprint
 
 
 @web.middleware
@@ -159,6 +182,73 @@ def make_app(state: StoreState) -> web.Application:
         if deleted:
             del state.objects[digest]
         return web.json_response({"deleted": deleted})
+
+    @routes.post("/enroll")
+    async def enroll(request):
+        principal = _principal(request, state, invite_ok=True)
+        try:
+            body = await request.json()
+            fingerprint = key_fingerprint_ssh(body["public_key"])
+            name = str(body.get("name", ""))[:64]
+        except (ValueError, KeyError, TypeError) as err:
+            raise web.HTTPBadRequest(text=f"enrollment needs an OpenSSH public key: {err}") from None
+        if fingerprint not in state.enrollments:
+            if len(state.enrollments) >= MAX_ENROLLMENTS:
+                raise web.HTTPInsufficientStorage(text="too many enrollment requests")
+            state.enrollments[fingerprint] = {
+                "fingerprint": fingerprint,
+                "public_key": body["public_key"].strip(),
+                "name": name,
+                "invite": principal,
+                "status": "pending",
+                "reason": "",
+            }
+        return web.json_response(state.enrollments[fingerprint])
+
+    @routes.get("/enroll/{fingerprint}")
+    async def enrollment(request):
+        _principal(request, state, invite_ok=True)
+        return web.json_response(state.enrollments[_fingerprint(request, state)])
+
+    @routes.get("/enroll")
+    async def enrollments(request):
+        _principal(request, state, admin=True)
+        return web.json_response(list(state.enrollments.values()))
+
+    @routes.post("/enroll/{fingerprint}")
+    async def decide(request):
+        _principal(request, state, admin=True)
+        entry = state.enrollments[_fingerprint(request, state)]
+        try:
+            body = await request.json()
+            status, reason = body["status"], str(body.get("reason", ""))[:300]
+        except (ValueError, KeyError, TypeError):
+            raise web.HTTPBadRequest(text='send {"status": "approved" | "refused", "reason": ...}') from None
+        if status not in ENROLL_STATUS[1:]:
+            raise web.HTTPBadRequest(text=f"status must be approved or refused, got {status!r}")
+        entry.update(status=status, reason=reason)
+        return web.json_response(entry)
+
+    @routes.get("/probe")
+    async def probe_down(request):
+        _principal(request, state, invite_ok=True)
+        try:
+            size = int(request.query.get("bytes", "0"))
+        except ValueError:
+            raise web.HTTPBadRequest(text="bytes must be an integer") from None
+        if not 0 <= size <= MAX_PROBE_BYTES:
+            raise web.HTTPBadRequest(text=f"bytes must be in [0, {MAX_PROBE_BYTES}]")
+        return web.Response(body=os.urandom(size), content_type="application/octet-stream")
+
+    @routes.post("/probe")
+    async def probe_up(request):
+        _principal(request, state, invite_ok=True)
+        size = 0
+        async for chunk in request.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > MAX_PROBE_BYTES:
+                raise web.HTTPRequestEntityTooLarge(max_size=MAX_PROBE_BYTES, actual_size=size)
+        return web.json_response({"bytes": size})
 
     @routes.get("/catalog")
     async def get_catalog(request):

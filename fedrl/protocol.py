@@ -18,6 +18,7 @@ MESSAGE_TYPE = "train.block"
 MODES = ("parablock", "block-sequential", "fedavg-lora")
 ACTIONS = ("train", "flush")
 NO_UPLOAD = -2  # upload_block when a reply carries no upload
+LEAVING = ("", "after-flush", "now")
 
 
 def check_json(text: str, what: str) -> None:
@@ -92,6 +93,13 @@ class TrainReport(Schema):
     # the client's own measurements (a real client measures itself; nothing is declared for it)
     link_bytes_per_s: float  # bytes moved to and from the store over the seconds its link was busy
     memory_mb: float  # peak resident memory of the process that served the message
+    full_sync_bytes: int = 0  # what a node holding nothing would have downloaded for the same version
+    hardware: str = ""  # a volunteer's probe (HardwareProbe as JSON): what it measured and will take on
+    leaving: str = ""  # a withdrawing node: "after-flush" (collect its last delta first) or "now"
+
+    @property
+    def probe(self) -> HardwareProbe | None:
+        return HardwareProbe.parse(json.loads(self.hardware), "hardware probe") if self.hardware else None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -103,4 +111,38 @@ class TrainReport(Schema):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.leaving not in LEAVING:
+            raise ValueError(f"leaving must be one of {LEAVING}, got {self.leaving!r}")
+        if self.hardware:
+            try:
+                self.probe  # noqa: B018 (validates)
+            except ValueError as err:
+                raise ValueError(f"hardware: {err}") from None
+        return self
+
+
+class HardwareProbe(Schema):
+    """What a volunteer node measured before taking work, and the work it will take on."""
+
+    cores: int  # logical CPUs of the machine
+    threads: int  # CPU threads the learner may use (the volunteer's --max-cpu)
+    memory_mb: float  # the machine's memory
+    memory_limit_mb: float  # the volunteer's --max-memory (0: none)
+    accelerator: str  # cpu | cuda:NAME | mps
+    model: str
+    step_s: float  # measured seconds per learner step on the run's model at `prompts`
+    up_bytes_s: float  # measured upload to the patch store (after the volunteer's cap)
+    down_bytes_s: float
+    upload_cap_bytes_s: float  # 0: none
+    download_cap_bytes_s: float
+    steps_per_round: int  # the most local steps the node takes in one message
+    prompts: int  # the most prompts per step (smaller where memory is short)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if min(self.cores, self.threads, self.steps_per_round, self.prompts) < 1:
+            raise ValueError("cores, threads, steps_per_round and prompts must be >= 1")
+        for name in ("memory_mb", "memory_limit_mb", "step_s", "up_bytes_s", "down_bytes_s"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0")
         return self

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -81,6 +81,19 @@ def key_fingerprint(public_pem: str | bytes) -> str:
     der = load_public_key(public_pem.encode() if isinstance(public_pem, str) else public_pem).public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
+    return hashlib.sha256(der).hexdigest()
+
+
+def key_fingerprint_ssh(public_key: str) -> str:
+    """The same kind of name for an OpenSSH public key line (a SuperNode's); ValueError when the
+    line is not one."""
+    if not isinstance(public_key, str) or len(public_key) > 4096:
+        raise ValueError("not an OpenSSH public key line")
+    try:
+        key = serialization.load_ssh_public_key(public_key.strip().encode())
+    except UnsupportedAlgorithm as err:
+        raise ValueError(f"unsupported key type: {err}") from None
+    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     return hashlib.sha256(der).hexdigest()
 
 

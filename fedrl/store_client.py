@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import ssl
 import threading
 from collections.abc import Coroutine
@@ -111,6 +112,51 @@ class PatchStoreClient:
     async def delete(self, digest: str, principal: str | None = None) -> dict:
         query = f"?principal={principal}" if principal else ""
         return await self.json("DELETE", f"/objects/{digest}{query}")
+
+    async def enroll(self, public_key: str, name: str = "") -> dict:
+        return await self.json("POST", "/enroll", {"public_key": public_key, "name": name})
+
+    async def enrollment(self, fingerprint: str) -> dict:
+        return await self.json("GET", f"/enroll/{fingerprint}")
+
+    async def enrollments(self) -> list[dict]:
+        return await self.json("GET", "/enroll")
+
+    async def decide(self, fingerprint: str, status: str, reason: str = "") -> dict:
+        return await self.json("POST", f"/enroll/{fingerprint}", {"status": status, "reason": reason})
+
+    async def probe_down(self, nbytes: int) -> int:
+        """Download `nbytes` through the link; the bytes received."""
+        await self.link.latency()
+        size = 0
+        try:
+            async with self.session.get(f"{self.url}/probe?bytes={int(nbytes)}", ssl=self.ssl) as resp:
+                await self._check(resp, "probe download")
+                async for chunk in resp.content.iter_chunked(CHUNK):
+                    size += len(chunk)
+                    await self.link.receive(len(chunk))
+        except aiohttp.ClientError as err:
+            raise StoreError(f"probe download: {err}") from None
+        return size
+
+    async def probe_up(self, nbytes: int) -> int:
+        """Upload `nbytes` through the link; the bytes the store says it read."""
+        await self.link.latency()
+        data = os.urandom(int(nbytes))
+
+        async def body():
+            for start in range(0, len(data), CHUNK):
+                await self.link.send(len(data[start : start + CHUNK]))
+                yield data[start : start + CHUNK]
+
+        try:
+            async with self.session.post(
+                f"{self.url}/probe", data=body(), ssl=self.ssl, headers={"Content-Length": str(len(data))}
+            ) as resp:
+                await self._check(resp, "probe upload")
+                return int((await resp.json())["bytes"])
+        except aiohttp.ClientError as err:
+            raise StoreError(f"probe upload: {err}") from None
 
 
 class BlockingStoreClient:

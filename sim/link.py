@@ -1,7 +1,7 @@
 """Simulated links: a client's bandwidth and latency, on the wall clock or a virtual one.
 
-`ShapedLink` shapes actual transfers with a token bucket (the sender or receiver waits for
-tokens chunk by chunk) plus one latency per request; `VirtualLink` does not wait and only
+`ShapedLink` shapes actual transfers with fedrl.link's token bucket (the sender or receiver
+waits for tokens chunk by chunk) plus one latency per request; `VirtualLink` does not wait and only
 accounts the seconds: latency + bytes / bandwidth. Packet loss is modelled as the goodput
 a retransmitting transport keeps: bandwidth * (1 - loss).
 """
@@ -9,10 +9,9 @@ a retransmitting transport keeps: bandwidth * (1 - loss).
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
-from fedrl.link import CHUNK, Link
+from fedrl.link import Link, RateLimitedLink
 
 
 @dataclass(frozen=True)
@@ -34,44 +33,16 @@ class LinkProfile:
         return self.latency_s + nbytes / self.rate(direction)
 
 
-class TokenBucket:
-    """`rate` bytes/s; tokens start empty (a fresh link gives no free burst, so even a small
-    transfer takes n / rate) and idle time banks at most one chunk."""
-
-    def __init__(self, rate: float, burst: int = CHUNK):
-        self.rate, self.burst = rate, burst
-        self.tokens, self.stamp = 0.0, time.monotonic()
-
-    async def consume(self, n: int) -> None:
-        """Take n tokens, going into debt if needed, and wait until the debt is repaid."""
-        if self.rate == float("inf"):
-            return
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate) - n
-        self.stamp = now
-        if self.tokens < 0:
-            await asyncio.sleep(-self.tokens / self.rate)
-
-
-class ShapedLink(Link):
+class ShapedLink(RateLimitedLink):
     """Real transfers, paced to the profile on the wall clock."""
 
     def __init__(self, profile: LinkProfile):
-        super().__init__()
+        super().__init__(profile.rate("up"), profile.rate("down"))
         self.profile = profile
-        self.up, self.down = TokenBucket(profile.rate("up")), TokenBucket(profile.rate("down"))
 
     async def latency(self) -> None:
         if self.profile.latency_s:
             await asyncio.sleep(self.profile.latency_s)
-
-    async def send(self, n: int) -> None:
-        await super().send(n)
-        await self.up.consume(n)
-
-    async def receive(self, n: int) -> None:
-        await super().receive(n)
-        await self.down.consume(n)
 
 
 class VirtualLink(Link):

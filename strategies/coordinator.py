@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common.constant import ErrorCode
 
 from fedrl.blocks import ALL_BLOCKS
 from fedrl.clock import Clock, RealClock
@@ -118,6 +119,8 @@ class Coordinator:
         self.in_flight: dict[str, Dispatch] = {}
         self.buffer: list[Update] = []
         self.pending_nodes: set[int] = set()  # parablock clients holding an unsent delta
+        self.withdrawn: set[int] = set()  # nodes that said they leave, until the Grid stops listing them
+        self.unavailable: set[int] = set()  # nodes Flower said are unreachable: no dispatch until a refresh
         self.rounds: dict[int, int] = {}  # node -> messages sent
         self.eval_cpu_s = 0.0  # held-out evaluations, kept apart from the coordinator's own cost
         self.loop: dict = {}
@@ -149,6 +152,7 @@ class Coordinator:
             "lost",
             "unknown",
             "left",
+            "leaving",
             "joined",
         ):  # expected under churn: logged quietly
             log.info("%s: %s", kind, fields)
@@ -202,16 +206,34 @@ class Coordinator:
 
     def refresh_nodes(self) -> None:
         """Take the Grid's current nodes (at most once a second); joins and departures are
-        events, ids stay stable."""
+        events, ids stay stable. A node that withdrew counts as gone while the Grid still lists
+        it; once it is no longer listed it may come back as any node does."""
         if time.monotonic() - self.last_refresh < self.refresh_every_s:
             return
         self.last_refresh = time.monotonic()
-        joined, left = self.members.refresh(self.grid.get_node_ids())
+        self.unavailable.clear()
+        listed = set(self.grid.get_node_ids())
+        self.withdrawn &= listed
+        joined, left = self.members.refresh(listed - self.withdrawn)
         for node in joined:
             self.event("joined", node=node, client=self.members.client_id(node))
         for node in left:
             self.event("left", node=node, client=self.members.client_id(node))
             self.pending_nodes.discard(node)  # its unsent delta is gone with it
+
+    def withdraw(self, node: int, leaving: str) -> None:
+        """A node said it leaves: nothing more is scheduled for it, at once. "after-flush": it
+        holds a delta it wants to hand in; it gets a flush first and leaves with its reply."""
+        if node not in self.members.present:
+            return
+        if leaving == "after-flush" and self.cfg.mode == "parablock":
+            self.event("leaving", node=node, reason="withdrawing: collecting its last delta")
+            self.dispatch(node, action="flush")
+            return
+        self.withdrawn.add(node)
+        self.members.present.discard(node)
+        self.pending_nodes.discard(node)
+        self.event("left", node=node, client=self.members.client_id(node), reason="withdrew")
 
     def wait_for_nodes(self) -> None:
         deadline = time.monotonic() + self.cfg.node_wait_s
@@ -308,6 +330,8 @@ class Coordinator:
             self.event("error", node=d.node, reason=f"deadline {self.cfg.deadline_s} s exceeded")
             return
         if reply.has_error():
+            if reply.error.code == ErrorCode.NODE_UNAVAILABLE:  # not again before the next refresh
+                self.unavailable.add(d.node)
             self.counts["errors"] += 1
             self.event("error", node=d.node, code=int(reply.error.code), reason=str(reply.error.reason)[:300])
             return
@@ -321,15 +345,21 @@ class Coordinator:
             self.event("late", node=d.node, reason="reply from a node that has left; its work still counts")
         if report.steps:
             self.scheduler.observe_speed(d.node, report.compute_s / report.steps)
-        self.record_client(d.node, report)
-        if d.action == "train" and self.cfg.mode == "parablock" and d.node in self.members.present:
+        probe = report.probe
+        if probe is not None:
+            self.scheduler.observe_probe(d.node, probe.step_s, probe.steps_per_round)
+        self.record_client(d.node, report, probe)
+        holds_delta = d.action == "train" and report.steps and report.leaving != "now"
+        if holds_delta and self.cfg.mode == "parablock" and d.node in self.members.present:
             self.pending_nodes.add(d.node)
-        if d.action == "flush":
+        if d.action == "flush" or report.leaving == "now":
             self.pending_nodes.discard(d.node)
         if report.upload_key:
             self.ingest(d.node, report)
+        if report.leaving:
+            self.withdraw(d.node, report.leaving)
 
-    def record_client(self, node: int, r: TrainReport) -> None:
+    def record_client(self, node: int, r: TrainReport, probe=None) -> None:
         c = self.clients.setdefault(
             node,
             {
@@ -353,6 +383,8 @@ class Coordinator:
         if r.link_bytes_per_s:
             c["link_bytes_per_s"] = round(r.link_bytes_per_s)
         c["memory_mb"] = round(r.memory_mb, 1)
+        if probe is not None:
+            c["hardware"] = probe.model_dump()
         c["timeline"].append(
             {
                 "end": round(self.now(), 3),
@@ -371,6 +403,7 @@ class Coordinator:
             synced_version=r.synced_version,
             bytes_up=r.bytes_up,
             bytes_down=r.bytes_down,
+            full_sync_bytes=r.full_sync_bytes,
         )
 
     def ingest(self, node: int, r: TrainReport) -> None:
@@ -514,7 +547,7 @@ class Coordinator:
                 round_open = True
         else:
             busy = {d.node for d in self.in_flight.values()}
-            for node in sorted(self.members.present - busy):
+            for node in sorted(self.members.present - busy - self.unavailable):
                 self.dispatch(node)
         due = self.next_reply()
         if due is None:

@@ -1,7 +1,9 @@
 """BlockScheduler: which block each client trains next, and for how many local steps.
 
 Steps are sized from each client's measured seconds per step so that the clients of a
-round finish together (FedCompass's idea): K_i = target_s / s_i, clamped.
+round finish together (FedCompass's idea): K_i = target_s / s_i, clamped. A volunteer's
+hardware probe gives its speed before it has reported any round, and its cap on steps per
+round, which no assignment exceeds.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class BlockScheduler:
     assigned: dict[int, int] = field(default_factory=dict)  # node -> rounds assigned so far
     last_update: list[int] = field(default_factory=list)  # block -> version it last changed
     in_flight: list[int] = field(default_factory=list)  # block -> clients training it now
+    caps: dict[int, int] = field(default_factory=dict)  # node -> the most steps it takes per round
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -65,20 +68,29 @@ class BlockScheduler:
             old = self.speed.get(node)
             self.speed[node] = seconds_per_step if old is None else 0.5 * old + 0.5 * seconds_per_step
 
+    def observe_probe(self, node: int, seconds_per_step: float, steps_cap: int) -> None:
+        """A node's own probe: its speed until it reports a measured one, and its cap."""
+        if node not in self.speed:
+            self.observe_speed(node, seconds_per_step)
+        self.caps[node] = max(1, int(steps_cap))
+
     def steps_for(self, node: int) -> int:
-        if node not in self.speed or not self.speed:
-            return self.base_steps
-        target = self.base_steps * statistics.median(self.speed.values())
-        return int(np.clip(round(target / self.speed[node]), self.min_steps, self.max_steps))
+        steps = self.base_steps
+        if node in self.speed:
+            target = self.base_steps * statistics.median(self.speed.values())
+            steps = int(np.clip(round(target / self.speed[node]), self.min_steps, self.max_steps))
+        return min(steps, self.caps.get(node, steps))
 
     def state_dict(self) -> dict:
         return {
             "speed": {str(k): v for k, v in self.speed.items()},
             "assigned": {str(k): v for k, v in self.assigned.items()},
             "last_update": list(self.last_update),
+            "caps": {str(k): v for k, v in self.caps.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.speed = {int(k): float(v) for k, v in state["speed"].items()}
         self.assigned = {int(k): int(v) for k, v in state["assigned"].items()}
         self.last_update = [int(v) for v in state["last_update"]]
+        self.caps = {int(k): int(v) for k, v in state.get("caps", {}).items()}

@@ -7,9 +7,9 @@ resubmitted run resumes from its last checkpoint and the restarted node rejoins 
 
 import json
 import re
-import time
 
 import pytest
+from waiting import wait_for
 
 from fedrl.certs import make_node_key
 from fedrl.credentials import node_principal, token_for
@@ -47,16 +47,6 @@ def node_id(deployment, i: int) -> int:
     found = re.findall(r"SuperNode ID: (\d+)", (deployment.logs / f"node-{i + 1}.log").read_text())
     assert found, deployment.tail(f"node-{i + 1}")
     return int(found[-1])
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def test_an_unregistered_supernode_is_refused(deployment):

@@ -14,7 +14,11 @@ LAYERS = {  # folder: (package, the fedrl packages it may import)
     "clients": ("fedrl.clients", {"fedrl"}),
     "sim": ("fedrl.sim", {"fedrl", "fedrl.strategies", "fedrl.clients"}),
     "deploy": ("fedrl.deploy", {"fedrl"}),  # starts the real apps as processes: imports neither
-    "cli": ("fedrl.cli", {"fedrl", "fedrl.strategies", "fedrl.clients", "fedrl.sim", "fedrl.deploy"}),
+    "volunteer": ("fedrl.volunteer", {"fedrl", "fedrl.clients", "fedrl.deploy"}),  # runs a client
+    "cli": (
+        "fedrl.cli",
+        {"fedrl", "fedrl.strategies", "fedrl.clients", "fedrl.sim", "fedrl.deploy", "fedrl.volunteer"},
+    ),
 }
 PACKAGES = {package for package, _ in LAYERS.values()}
 

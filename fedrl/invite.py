@@ -1,0 +1,125 @@
+"""An invitation to join a federation as a volunteer: one string (or a file holding it) the
+operator hands out and `fedrl volunteer join` takes.
+
+It carries where to connect (the SuperLink, the patch store), what to trust (the CA that signed
+both servers' certificates), the credential that lets a volunteer enroll its node key and probe
+its link (nothing else: `invite:<run>` in fedrl.credentials), and what the run trains, so the
+volunteer's hardware probe measures the real learner step. The form is
+`fedrl-invite:` + base64url(JSON); decoding checks every field and names what is wrong.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from pathlib import Path
+
+from cryptography import x509
+from pydantic import model_validator
+
+from fedrl.credentials import invite_principal, token_for
+from fedrl.schema import Schema, SchemaError
+
+PREFIX = "fedrl-invite:"
+VERSION = 1
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MAX_INVITE_CHARS = 64 << 10
+
+
+class InviteError(ValueError):
+    """An invite that cannot be used; the message says why."""
+
+
+class Invite(Schema):
+    version: int
+    run: str  # the federation's name; the volunteer's files are kept under it
+    superlink: str  # host:port of the SuperLink (Fleet API)
+    store_url: str  # the patch store (https)
+    ca_pem: str  # the CA certificate that signed the SuperLink's and the store's certificates
+    token: str  # credential of principal invite:<run>
+    # what the run trains, for the probe (the coordinator's instructions decide the real work)
+    model: str
+    task: str
+    task_params: str
+    num_blocks: int
+    lora_rank: int
+    lora_alpha: float
+    lr: float
+    prompts: int
+    samples: int
+    method: str
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.version != VERSION:
+            raise ValueError(
+                f"invite version {self.version}; this fedrl reads version {VERSION}: upgrade fedrl"
+            )
+        if not RUN_NAME.match(self.run):
+            raise ValueError(f"run name {self.run!r} must be letters, digits, '.', '_' or '-'")
+        host, _, port = self.superlink.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"superlink must be host:port, got {self.superlink!r}")
+        if not self.store_url.startswith("https://"):
+            raise ValueError(f"store_url must be https://, got {self.store_url!r}")
+        try:
+            x509.load_pem_x509_certificate(self.ca_pem.encode())
+        except ValueError:
+            raise ValueError("ca_pem is not a PEM certificate") from None
+        if min(self.num_blocks, self.lora_rank, self.prompts, self.samples) < 1:
+            raise ValueError("num_blocks, lora_rank, prompts and samples must be >= 1")
+        return self
+
+    @property
+    def principal(self) -> str:
+        return invite_principal(self.run)
+
+    def encode(self) -> str:
+        return PREFIX + base64.urlsafe_b64encode(self.model_dump_json().encode()).decode()
+
+
+def make_invite(
+    run: str, superlink: str, store_url: str, ca_file: str | Path, secret: bytes, **learner
+) -> Invite:
+    """The operator's side (`fedrl invite`): `secret` is the patch store's; `learner` the run's
+    settings (model, task, task_params, num_blocks, lora_rank, lora_alpha, lr, prompts, samples,
+    method)."""
+    try:
+        ca_pem = Path(ca_file).read_text()
+    except OSError as err:
+        raise InviteError(f"cannot read the CA certificate {ca_file}: {err.strerror or err}") from None
+    fields = dict(
+        version=VERSION, run=run, superlink=superlink, store_url=store_url, ca_pem=ca_pem, **learner
+    )
+    fields["token"] = token_for(secret, invite_principal(run))
+    try:
+        return Invite.parse(fields, "invite")
+    except SchemaError as err:
+        raise InviteError(str(err)) from None
+
+
+def load_invite(text_or_path: str) -> Invite:
+    """An invite from its string or from a file holding it; InviteError says what is wrong."""
+    text = text_or_path.strip()
+    if not text.startswith(PREFIX):
+        path = Path(text)
+        try:
+            if path.is_file():
+                text = path.read_text()[:MAX_INVITE_CHARS].strip()
+        except OSError as err:
+            raise InviteError(f"cannot read the invite file {path}: {err.strerror or err}") from None
+    if not text.startswith(PREFIX):
+        raise InviteError(
+            f"not a fedrl invite: expected a string starting with {PREFIX!r} or a file holding one, "
+            f"got {text_or_path[:40]!r}"
+        )
+    try:
+        data = json.loads(base64.urlsafe_b64decode(text.removeprefix(PREFIX).encode()))
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        raise InviteError("the invite is damaged (not base64url JSON): copy it again, whole") from None
+    try:
+        return Invite.parse(data, "invite")
+    except SchemaError as err:
+        raise InviteError(str(err)) from None

@@ -1,0 +1,209 @@
+"""The volunteer's pieces without processes: invites, enrollment and probes at the store, the
+node's state on disk, a withdrawal through the coordinator's loop (the real ClientApp), the
+scheduler keeping to a probe's cap, and the CLI's clear failures."""
+
+import asyncio
+import base64
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from fake_grid import FakeGrid, small_config
+
+from fedrl.certs import make_ca, make_node_key
+from fedrl.clients.block_worker import ClientState, Pending
+from fedrl.clients.client_app import app as client_app
+from fedrl.clients.disk_state import load_from_disk, save_to_disk, state_path
+from fedrl.clients.runtime import NodeRuntime
+from fedrl.credentials import ADMIN, invite_principal, new_secret, token_for
+from fedrl.invite import PREFIX, InviteError, load_invite, make_invite
+from fedrl.link import RateLimitedLink
+from fedrl.node_files import LEAVE, write_json
+from fedrl.patch_store import PatchStoreServer, StoreState
+from fedrl.store_client import PatchStoreClient, StoreError
+from fedrl.strategies.coordinator import run_coordinator
+from fedrl.strategies.scheduler import BlockScheduler
+
+LEARNER = dict(
+    model="tiny",
+    task="reversal",
+    task_params='{"length": 8}',
+    num_blocks=3,
+    lora_rank=8,
+    lora_alpha=16.0,
+    lr=5e-4,
+    prompts=8,
+    samples=8,
+    method="dg",
+)
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+
+
+@pytest.fixture
+def ca(tmp_path):
+    make_ca(tmp_path)
+    return tmp_path / "ca.pem"
+
+
+def test_an_invite_round_trips_through_a_string_and_a_file(tmp_path, ca):
+    invite = make_invite("run-1", "10.0.0.1:9092", "https://10.0.0.1:8443", ca, new_secret(), **LEARNER)
+    assert load_invite(invite.encode()) == invite
+    (tmp_path / "invite.txt").write_text("\n" + invite.encode() + "\n")
+    assert load_invite(str(tmp_path / "invite.txt")) == invite
+    assert invite.principal == invite_principal("run-1")
+
+
+def test_bad_invites_say_what_is_wrong(tmp_path, ca):
+    good = make_invite("r", "h:1", "https://h:2", ca, new_secret(), **LEARNER)
+    data = json.loads(base64.urlsafe_b64decode(good.encode().removeprefix(PREFIX)))
+    encode = lambda d: PREFIX + base64.urlsafe_b64encode(json.dumps(d).encode()).decode()  # noqa: E731
+    cases = {
+        "not a fedrl invite": "hello",
+        "damaged": good.encode()[:-7] + "%%%",
+        "upgrade fedrl": encode({**data, "version": 2}),
+        "not a PEM certificate": encode({**data, "ca_pem": "nope"}),
+        "must be host:port": encode({**data, "superlink": "nohost"}),
+        "https": encode({**data, "store_url": "http://h:2"}),
+        "token": encode({k: v for k, v in data.items() if k != "token"}),
+    }
+    for expected, text in cases.items():
+        with pytest.raises(InviteError, match=expected):
+            load_invite(text)
+    with pytest.raises(InviteError, match="cannot read the CA"):
+        make_invite("r", "h:1", "https://h:2", tmp_path / "missing.pem", new_secret(), **LEARNER)
+
+
+def test_an_invite_may_enroll_and_probe_but_nothing_else(tmp_path):
+    secret = new_secret()
+    _, pub = make_node_key(tmp_path, "v")
+    key_line = pub.read_text().strip()
+
+    async def go(url):
+        cap = 400_000.0  # bytes/s
+        invited = PatchStoreClient(url, invite_principal("r"), token_for(secret, invite_principal("r")))
+        admin = PatchStoreClient(url, ADMIN, token_for(secret, ADMIN))
+        async with invited as c, admin as a:
+            entry = await c.enroll(key_line, "laptop")
+            assert (
+                entry["status"] == "pending"
+                and (await c.enroll(key_line))["fingerprint"] == entry["fingerprint"]
+            )
+            assert [e["fingerprint"] for e in await a.enrollments()] == [entry["fingerprint"]]
+            await a.decide(entry["fingerprint"], "approved")
+            assert (await c.enrollment(entry["fingerprint"]))["status"] == "approved"
+            for refused in (
+                c.enrollments(),
+                c.put(b"x"),
+                c.publish({"refs": []}),
+                c.enroll("ssh-rsa nonsense"),
+            ):
+                with pytest.raises(StoreError, match="HTTP 4"):
+                    await refused
+            c.link = RateLimitedLink(cap, cap)
+            assert await c.probe_up(200_000) == 200_000 and await c.probe_down(200_000) == 200_000
+            assert c.link.bytes_up == c.link.bytes_down == 200_000
+            with pytest.raises(StoreError, match="HTTP 400"):
+                await c.probe_down(1 << 30)
+
+    with PatchStoreServer(StoreState(secret)) as server:
+        asyncio.run(go(server.url))
+
+
+def test_the_node_state_survives_on_disk_bound_to_its_store(tmp_path):
+    t = lambda v: {"a": torch.full((2, 3), v), "b": torch.arange(4.0) * v}  # noqa: E731
+    state = ClientState(
+        t(1.0), t(2.0), 7, Pending(1, 6, {"a": torch.ones(2, 3)}, {"a": torch.zeros(2, 3)}, 64)
+    )
+    save_to_disk(tmp_path, "https://store", state)
+    back = load_from_disk(tmp_path, "https://store")
+    assert back.held_version == 7 and (
+        back.pending.block,
+        back.pending.base_version,
+        back.pending.samples,
+    ) == (1, 6, 64)
+    assert all(torch.equal(back.held[k], state.held[k]) for k in state.held)
+    assert torch.equal(back.pending.new["a"], state.pending.new["a"])
+    assert load_from_disk(tmp_path, "https://another-store") is None  # another federation's state
+    state_path(tmp_path).write_bytes(b"\x00" * 5)  # a torn file (never written so: writes are atomic)
+    assert load_from_disk(tmp_path, "https://store") is None
+
+
+def test_the_scheduler_never_exceeds_a_probe_cap():
+    s = BlockScheduler(3, base_steps=6, min_steps=2, max_steps=24)
+    s.observe_probe(1, seconds_per_step=0.01, steps_cap=3)
+    s.observe_speed(2, 1.0)
+    assert s.steps_for(1) == 3  # the fastest node would get 24; its owner allows 3
+    s.observe_speed(1, 0.01)
+    assert s.steps_for(1) == 3
+    s2 = BlockScheduler(3)
+    s2.load_state_dict(s.state_dict())
+    assert s2.steps_for(1) == 3
+
+
+@pytest.mark.parametrize("on_exit,when", [("flush", "mid-round"), ("drop", "mid-round"), ("flush", "idle")])
+def test_a_volunteer_that_leaves_is_dropped_at_once(tmp_path, monkeypatch, on_exit, when):
+    """The real ClientApp with a state dir on one node; its owner asks it to leave during its
+    second message (after its first step) or between messages. flush mid-round: the round is
+    finished, then a flush collects its delta; drop: it stops after the step and hands in
+    nothing new; idle: the next message hands in the pending delta. Each time the coordinator
+    records "left" at once (no deadline, nothing lost) and sends it nothing more."""
+    cfg = small_config(tmp_path, versions=4, buffer_size=1, min_nodes=3)
+    grid = FakeGrid(3, client_app)
+    volunteer = sorted(grid.contexts)[0]
+    state_dir = tmp_path / "volunteer"
+    grid.contexts[volunteer].node_config = {"state-dir": str(state_dir)}
+    messages = lambda: len([n for n, _ in grid.sent if n == volunteer])  # noqa: E731
+    ask = lambda: write_json(state_dir / LEAVE, {"on_exit": on_exit})  # noqa: E731 (the first Ctrl-C)
+
+    def pace(runtime, step_s):
+        if when == "mid-round" and messages() == 2 and not (state_dir / LEAVE).exists():
+            ask()
+
+    def script(node, msg, reply):
+        if when == "idle" and node == volunteer and messages() == 2:
+            ask()
+        return reply
+
+    monkeypatch.setattr(NodeRuntime, "pace", pace)
+    grid.script = script
+    summary = run_coordinator(grid, cfg)
+    events = [e for e in summary["events"] if e.get("node") == volunteer]
+    kinds = [e["kind"] for e in events]
+    left = kinds.index("left")
+    assert events[left]["reason"] == "withdrew" and "lost" not in kinds and "error" not in kinds
+    sent = [instr["action"] for node, instr in grid.sent if node == volunteer]
+    expected = {"mid-round": {"flush": ["train", "train", "flush"], "drop": ["train", "train"]}}
+    assert sent == expected.get(when, {}).get(on_exit, ["train", "train", "train"])
+    assert ("leaving" in kinds) == (on_exit == "flush" and when == "mid-round")
+    assert kinds[left - 1] == "accepted"  # the delta it held was handed in before it left
+    replies = [e for e in events if e["kind"] == "reply"]
+    if on_exit == "drop":
+        assert replies[-1]["steps"] == 1  # abandoned after the step it was in
+    assert summary["versions"] >= 4
+    assert json.loads((state_dir / "status.json").read_text())["phase"] == "left"
+
+
+def test_the_cli_fails_clearly_on_a_bad_invite_and_an_unreachable_store(tmp_path, ca):
+    fedrl = [sys.executable, "-m", "fedrl.cli"]
+    bad = subprocess.run(
+        [*fedrl, "volunteer", "join", "not-an-invite", "--home", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "not a fedrl invite" in bad.stderr
+    invite = make_invite("r", "127.0.0.1:9", "https://127.0.0.1:9", ca, new_secret(), **LEARNER)
+    down = subprocess.run(
+        [*fedrl, "volunteer", "join", invite.encode(), "--home", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert down.returncode == 4 and "cannot reach the patch store" in down.stderr, down.stderr[-800:]

@@ -1,0 +1,163 @@
+"""Volunteers on a real local deployment: `fedrl patch-store` (TLS), `flower-superlink` (TLS,
+SuperNode auth) and the operator's approver, no SuperNodes of the operator's own. Two
+volunteers join with `fedrl volunteer join INVITE` as processes. During one run, volunteer A is
+withdrawn with SIGINT mid-round (exit 0; the coordinator records "left" at once) and joins
+again (it resumes from its cached state: far fewer bytes down than a fresh node), and
+volunteer B is SIGKILLed and restarted (its cache is intact; it rejoins once Flower releases
+its old session and works again). Limits: learner threads and the upload cap are kept to.
+Then a revoked key, a bad invite and an unreachable coordinator fail clearly."""
+
+import json
+import os
+import signal
+import subprocess
+
+import psutil
+import pytest
+from waiting import wait_for
+
+from fedrl.clients.disk_state import load_from_disk
+from fedrl.deploy.federation import CONNECTION, tool
+from fedrl.deploy.local import LocalDeployment
+from fedrl.node_files import PROBE, STATUS, read_json
+from fedrl.volunteer.home import VolunteerHome
+
+pytestmark = pytest.mark.slow
+
+UPLOAD_KBPS = 800.0
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    with LocalDeployment(tmp_path_factory.mktemp("vdeploy"), nodes=0) as d:
+        d.up()
+        d.start_approver(say=lambda text: None)
+        invite = d.invite("vt", model="tiny-base")
+        (d.root / "invite.txt").write_text(invite.encode() + "\n")
+        yield d
+
+
+class Volunteer:
+    def __init__(self, deployment, name: str, *extra: str):
+        self.deployment, self.name, self.extra = deployment, name, extra
+        self.home_dir = deployment.root / f"home-{name}"
+        self.home = VolunteerHome.for_run("vt", self.home_dir)
+        self.proc = None
+
+    def join(self) -> None:
+        log = open(self.deployment.logs / f"volunteer-{self.name}.log", "ab")
+        argv = [tool("fedrl"), "volunteer", "join", str(self.deployment.root / "invite.txt")]
+        argv += ["--home", str(self.home_dir), "--max-cpu", "1", *self.extra]
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+
+    def status(self) -> dict:
+        return read_json(self.home.state_dir / STATUS) or {}
+
+    def working(self, rounds: int) -> bool:
+        """At work on a round after `rounds` done; fails at once if the volunteer has exited."""
+        assert self.proc.poll() is None, f"volunteer {self.name} exited: {self.log()[-1500:]}"
+        status = self.status()
+        return status.get("rounds", 0) >= rounds and status.get("phase") == "working"
+
+    def log(self) -> str:
+        return (self.deployment.logs / f"volunteer-{self.name}.log").read_text()
+
+    def kill(self) -> None:
+        """SIGKILL the volunteer and everything it started (the SuperNode has a group of its own),
+        as a power cut would."""
+        if not self.proc or self.proc.poll() is not None:
+            return
+        tree = [self.proc.pid] + [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+
+
+def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
+    a = Volunteer(deployment, "a", "--upload-kbps", str(UPLOAD_KBPS), "--on-exit", "flush")
+    b = Volunteer(deployment, "b")
+    try:
+        a.join()
+        b.join()
+        run_id = deployment.submit(
+            versions=8,
+            min_nodes=2,
+            base_steps=2,
+            max_steps=3,
+            prompts=4,
+            samples=4,
+            buffer_size=2,
+            eval_every=4,
+            node_wait_s=180.0,
+            deadline_s=40.0,
+            task_params=json.dumps({"length": 8, "num_eval": 64}),
+        )
+        # A: withdrawn with SIGINT while it works on a round (its second or later)
+        wait_for(
+            lambda: a.working(2),
+            240,
+            "A working",
+        )
+        a.proc.send_signal(signal.SIGINT)
+        assert a.proc.wait(120) == 0, a.log()[-2000:]
+        assert a.status()["phase"] == "left" and "left the federation cleanly" in a.log()
+        a.join()  # again, at once: it holds its last version on disk
+
+        # B: SIGKILLed mid-round, restarted; its cache survives
+        wait_for(
+            lambda: b.working(2),
+            240,
+            "B working",
+        )
+        b.kill()
+        kept = load_from_disk(b.home.state_dir, deployment.store_url)
+        assert kept is not None and kept.held_version >= 1
+        b_rounds = b.status()["rounds"]
+        b.join()
+
+        assert deployment.federation.wait_run(run_id, 500) == "finished:completed"
+        wait_for(lambda: b.status().get("rounds", 0) > b_rounds, 5, "B back at work")
+    finally:
+        for v in (a, b):
+            if v.proc and v.proc.poll() is None:
+                v.proc.send_signal(signal.SIGINT)
+        for v in (a, b):
+            try:
+                v.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                v.kill()
+    summary = deployment.summary()
+    events = summary["events"]
+    withdrew = [e for e in events if e["kind"] == "left" and e.get("reason") == "withdrew"]
+    assert withdrew, [e for e in events if e["kind"] in ("left", "leaving", "joined", "lost")]
+    node_a = withdrew[0]["node"]
+    assert not [e for e in events if e["kind"] == "lost" and e["node"] == node_a]  # no deadline wait
+    replies_a = [e for e in events if e["kind"] == "reply" and e["node"] == node_a]
+    t_left = withdrew[0]["t"]
+    comeback = [e for e in replies_a if e["t"] > t_left][0]
+    # it synced from the version it cached, not from nothing: fewer bytes than a cold node's sync
+    assert comeback["full_sync_bytes"] > 0 and comeback["bytes_down"] < comeback["full_sync_bytes"], comeback
+    # the probe travelled and was used: steps never above the cap, the hardware in the summary
+    client_a = summary["clients"][str(node_a)]
+    probe_a = read_json(a.home.state_dir / PROBE)
+    assert client_a["hardware"]["steps_per_round"] == probe_a["steps_per_round"]
+    assert client_a["hardware"]["threads"] == 1
+    # the upload cap: measured through the capped link, within 20% of it and never above
+    cap = UPLOAD_KBPS * 1000 / 8
+    assert 0.8 * cap <= probe_a["up_bytes_s"] <= 1.2 * cap, probe_a["up_bytes_s"]
+    assert summary["counts"]["rejected"] == 0 and summary["versions"] >= 8
+
+
+def test_a_revoked_key_is_refused_clearly(deployment):
+    a = Volunteer(deployment, "a")
+    nodes = deployment.federation.node_status()
+    assert nodes, "volunteers registered"
+    for node in nodes:  # the operator revokes every volunteer
+        deployment.federation.call("supernode", "unregister", str(node), CONNECTION)
+    a.join()
+    assert a.proc.wait(120) == 3, a.log()[-1500:]
+    assert "refused this node's key" in a.log()

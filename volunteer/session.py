@@ -1,0 +1,433 @@
+"""`fedrl volunteer join`: one volunteer's node, from the invite to a clean exit.
+
+1. remember the invite, make (once) the node's key pair and show it;
+2. enroll the key with the operator's patch store and wait for approval (the operator's
+   approver registers it with the SuperLink; `fedrl approve`);
+3. probe the hardware (volunteer.probe) and keep the caps where the ClientApp reads them;
+4. run `flower-supernode` (TLS, node auth, the volunteer's limits as node config, its
+   threads pinned to `--max-cpu` cores) in its own process group, restart it after a network
+   loss or a crash (the ClientApp resumes from the state it keeps on disk);
+5. show a live status line from the ClientApp's status file;
+6. first Ctrl-C / SIGTERM / the `--until` time: ask the node to leave (fedrl.node_files:
+   it finishes or abandons its round, hands in its pending delta or not, says "leaving" to
+   the coordinator), then stop the SuperNode (Flower deactivates it) and exit 0; a second
+   Ctrl-C kills everything at once (every cache write is atomic: nothing is corrupted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+from rich.console import Console
+
+from fedrl.deploy.federation import tool
+from fedrl.deploy.local import free_port
+from fedrl.invite import Invite
+from fedrl.node_files import LEAVE, ON_EXIT, PROBE, STATUS, read_json, update_status, write_json
+from fedrl.protocol import HardwareProbe
+from fedrl.signing import key_fingerprint_ssh
+from fedrl.store_client import PatchStoreClient, StoreError
+from fedrl.volunteer.home import VolunteerHome
+from fedrl.volunteer.probe import Limits, probe_json, probe_matches, probe_table, run_probe
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130
+SESSION_RELEASE_S = 150.0  # how long a crashed node's old session may hold its key (Flower: ~60 s)
+
+
+class VolunteerError(Exception):
+    """The volunteer cannot go on; `code` is the exit status, the message says why and what to do."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Session:
+    invite: Invite
+    home: VolunteerHome
+    limits: Limits = field(default_factory=Limits)
+    on_exit: str = "flush"
+    until: float = 0.0  # wall-clock time to withdraw at (0: none)
+    approval_timeout_s: float = 600.0
+    exit_timeout_s: float = 300.0  # the longest a withdrawal waits for the round to be finished
+    console: Console = field(default_factory=lambda: Console(stderr=True, highlight=False))
+
+    def __post_init__(self):
+        if self.on_exit not in ON_EXIT:
+            raise ValueError(f"on_exit must be one of {ON_EXIT}, got {self.on_exit!r}")
+        self.proc: subprocess.Popen | None = None
+        self.signals = 0
+        self.node_id: int | None = None
+        self.leave_at: float | None = None
+        self.first_try: float | None = None  # when the SuperNode was first started
+
+    def say(self, text: str) -> None:
+        self.console.print(text)
+
+    # ------------------------------------------------------------------ joining
+
+    def store(self) -> PatchStoreClient:
+        return PatchStoreClient(
+            self.invite.store_url, self.invite.principal, self.invite.token, ca_file=str(self.home.ca_file)
+        )
+
+    async def _enroll(self, public_key: str) -> dict:
+        async with self.store() as store:
+            entry = await store.enroll(public_key, os.uname().nodename)
+            deadline = time.monotonic() + self.approval_timeout_s
+            shown = False
+            while entry["status"] == "pending":
+                if not shown:
+                    self.say(
+                        "waiting for the operator to approve this node (`fedrl approve` does it for "
+                        f"invited keys); by hand: flwr supernode register {self.home.node_key()[1]}"
+                    )
+                    shown = True
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(1.0)
+                entry = await store.enrollment(entry["fingerprint"])
+            return entry
+
+    def enroll(self) -> None:
+        _, public = self.home.node_key()
+        line = public.read_text().strip()
+        self.say(f"node key: {public}\n  {line[:40]}...{line[-24:]}")
+        self.say(f"  fingerprint {key_fingerprint_ssh(line)[:32]}")
+        try:
+            entry = asyncio.run(self._enroll(line))
+        except StoreError as err:
+            if "HTTP 403" in str(err) or "HTTP 401" in str(err):
+                raise VolunteerError(
+                    EXIT_REFUSED,
+                    f"the patch store refused this invite ({err}): ask the operator for a new one",
+                ) from None
+            raise VolunteerError(
+                EXIT_UNREACHABLE, f"cannot reach the patch store at {self.invite.store_url}: {err}"
+            ) from None
+        if entry["status"] == "refused":
+            raise VolunteerError(
+                EXIT_REFUSED, f"the operator refused this node: {entry['reason'] or 'no reason'}"
+            )
+        if entry["status"] != "approved":
+            raise VolunteerError(
+                EXIT_REFUSED,
+                f"not approved within {self.approval_timeout_s:.0f} s; ask the operator to run "
+                f"`fedrl approve` or `flwr supernode register {public}`",
+            )
+        self.say("approved by the operator")
+
+    def probe(self) -> None:
+        """Probe once per machine and limits: a rejoin reuses the probe (`fedrl volunteer probe`
+        measures again)."""
+        path = self.home.state_dir / PROBE
+        try:
+            kept = HardwareProbe.parse(read_json(path) or {}, "probe")
+        except ValueError:
+            kept = None
+        if kept is not None and probe_matches(kept, self.invite, self.limits):
+            self.say("hardware probe (kept from the last join; `fedrl volunteer probe` measures again):")
+            self.say(probe_table(kept))
+            return
+        self.say("probing this machine and its link to the patch store ...")
+        result = run_probe(self.invite, str(self.home.ca_file), self.limits)
+        path.write_text(probe_json(result))
+        self.say(probe_table(result))
+
+    # ------------------------------------------------------------------ the SuperNode
+
+    def node_config(self) -> str:
+        items = {
+            "ca-file": str(self.home.ca_file),
+            "state-dir": str(self.home.state_dir),
+            "max-threads": self.limits.threads(),
+            "upload-kbps": float(self.limits.upload_kbps),
+            "download-kbps": float(self.limits.download_kbps),
+        }
+        return " ".join(f"{k}={json.dumps(v)}" for k, v in items.items())
+
+    def log_path(self) -> Path:
+        return self.home.logs / "supernode.log"
+
+    def start_node(self) -> None:
+        key, _ = self.home.node_key()
+        threads = self.limits.threads()
+        argv = [tool("flower-supernode"), "--superlink", self.invite.superlink]
+        argv += ["--root-certificates", str(self.home.ca_file), "--auth-supernode-private-key", str(key)]
+        argv += ["--port", str(free_port()), "--node-config", self.node_config()]
+        argv += ["--max-retries", "5", "--max-wait-time", "60"]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        cpus = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else None
+
+        def confine():  # the SuperNode and every process it starts stay on the allowed cores
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        self.log_offset = self.log_path().stat().st_size if self.log_path().exists() else 0
+        with open(self.log_path(), "ab") as log:
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.home.data,
+                start_new_session=True,
+                preexec_fn=confine,
+            )
+        self.first_try = self.first_try or time.monotonic()
+
+    def node_log(self) -> str:
+        try:
+            with open(self.log_path(), "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop_node(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> None:
+        """Signal the SuperNode's process group, then SIGKILL whatever is left after timeout_s."""
+        if self.proc is None:
+            return
+        for s, wait_s in ((sig, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, s)
+            except (ProcessLookupError, PermissionError):
+                break
+            try:
+                self.proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            try:  # the leader is gone; children of the group may linger
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            break
+
+    def memory_mb(self) -> float:
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0.0
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total / 2**20
+
+    # ------------------------------------------------------------------ withdrawal
+
+    def on_signal(self, signum, frame) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            self.say(f"\nleaving ({self.on_exit}): press Ctrl-C again to stop at once")
+            self.request_leave()
+        else:  # at once: every cache write is atomic, a kill corrupts nothing
+            self.stop_node(signal.SIGKILL, 5.0)
+            os._exit(EXIT_INTERRUPTED)
+
+    def request_leave(self) -> None:
+        if self.leave_at is None:
+            write_json(self.home.state_dir / LEAVE, {"on_exit": self.on_exit, "at": time.time()})
+            self.leave_at = time.monotonic()
+
+    def status(self) -> dict:
+        try:
+            return read_json(self.home.state_dir / STATUS) or {}
+        except ValueError:
+            return {}
+
+    def left(self, status: dict) -> bool:
+        """The node answered its last message with "leaving", or has nothing to finish."""
+        if status.get("phase") == "left":
+            return True
+        waited = time.monotonic() - self.leave_at
+        if status.get("phase") == "working":
+            return waited > self.exit_timeout_s
+        return waited > 20.0  # idle: the coordinator sends the next message within seconds
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        self.home.remember(self.invite)
+        (self.home.state_dir / LEAVE).unlink(missing_ok=True)
+        update_status(self.home.state_dir, phase="connecting")  # not the last session's "left"
+        crashed_before = self.home.last_session().get("clean") is False
+        write_json(self.home.session, {"pid": os.getpid(), "started": time.time(), "clean": False})
+        handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.enroll()
+            self.probe()
+            code = self.serve(crashed_before)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            self.stop_node()
+        write_json(self.home.session, {"pid": os.getpid(), "ended": time.time(), "clean": True})
+        (self.home.state_dir / LEAVE).unlink(missing_ok=True)
+        return code
+
+    def serve(self, crashed_before: bool) -> int:
+        line = StatusLine(self.console)
+        connected_once, restarts = False, 0
+        self.start_node()
+        while True:
+            if self.leave_at is None and (self.until and time.time() >= self.until):
+                self.say("\nthe time given is up: leaving")
+                self.request_leave()
+            if self.limits.max_memory_mb and self.memory_mb() > self.limits.max_memory_mb:
+                self.say(f"\nthe node went over --max-memory {self.limits.max_memory_mb:.0f} MB: stopping it")
+                self.on_exit = "drop"
+                self.request_leave()
+                self.stop_node()
+                return EXIT_FAILED
+            log = self.node_log()
+            if self.node_id is None and (found := re.search(r"SuperNode ID: (\d+)", log)):
+                self.node_id, connected_once = int(found.group(1)), True
+                self.say(f"connected to {self.invite.superlink} as node {self.node_id}")
+            status = self.status()
+            line.show(self.node_id, status)
+            if self.leave_at is not None and self.left(status):
+                line.done()
+                self.say(f"left the federation cleanly ({status.get('phase', 'idle')}); bye")
+                return EXIT_OK
+            if self.proc.poll() is not None:
+                if self.leave_at is not None:
+                    return EXIT_OK
+                verdict = self.diagnose(log, crashed_before, connected_once)
+                if verdict:
+                    raise VolunteerError(*verdict)
+                restarts += 1
+                self.node_id = None
+                time.sleep(min(30.0, 2.0 * restarts))
+                self.start_node()
+            time.sleep(0.5)
+
+    def diagnose(self, log: str, crashed_before: bool, connected_once: bool) -> tuple[int, str] | None:
+        """Why the SuperNode exited: an (exit code, message) to give up with, or None to retry."""
+        if "Failed to activate SuperNode" in log:
+            if crashed_before and time.monotonic() - self.first_try < SESSION_RELEASE_S:
+                self.say("the SuperLink still holds this node's session from before the crash; retrying")
+                return None
+            return (
+                EXIT_REFUSED,
+                "the SuperLink refused this node's key: the operator revoked it (or it was never "
+                "registered). Ask the operator; your cached work stays on disk.",
+            )
+        if not connected_once and re.search(
+            r"Connection refused|could not establish|ConnectError|timed out", log
+        ):
+            return EXIT_UNREACHABLE, f"cannot reach the coordinator's SuperLink at {self.invite.superlink}"
+        if not connected_once:
+            tail = " | ".join(log.strip().splitlines()[-4:])
+            return EXIT_FAILED, f"the SuperNode exited with {self.proc.returncode}: {tail}"
+        self.say("lost the connection to the SuperLink; rejoining")
+        return None
+
+
+class StatusLine:
+    """One live line on a terminal (rich); elsewhere a line whenever something changes."""
+
+    def __init__(self, console: Console):
+        self.console, self.last = console, ""
+
+    def text(self, node_id, s: dict) -> str:
+        if node_id is None:
+            return "connecting ..."
+        if not s:
+            return f"node {node_id} | connected | waiting for work"
+        kb = lambda n: f"{n / 1000:,.0f} kB"  # noqa: E731
+        g = s.get
+        return (
+            f"node {node_id} | {g('phase', '?')} | v{g('version', '?')} held v{g('synced_version', '?')}"
+            f" staleness {g('staleness', 0)} | reward {g('reward', 0):.3f} | rounds {g('rounds', 0)}"
+            f" | up {kb(g('bytes_up', 0))} down {kb(g('bytes_down', 0))}"
+            f" | {g('link_bytes_per_s', 0) / 1000:,.1f} kB/s"
+        )
+
+    def show(self, node_id, status: dict) -> None:
+        text = self.text(node_id, status)
+        if text == self.last:
+            return
+        self.last = text
+        if self.console.is_terminal:
+            self.console.file.write("\r\033[K" + text)
+            self.console.file.flush()
+        else:
+            self.console.print(text)
+
+    def done(self) -> None:
+        if self.console.is_terminal:
+            self.console.file.write("\n")
+
+
+def join(
+    invite: Invite,
+    limits: Limits | None = None,
+    home: str | Path | None = None,
+    on_exit: str = "flush",
+    until: float = 0.0,
+    **options,
+) -> int:
+    """Join the federation of `invite` and work until asked to leave (Ctrl-C, SIGTERM, `until`);
+    returns the exit status (0 after a clean withdrawal). Call it from the main thread."""
+    session = Session(
+        invite, VolunteerHome.for_run(invite.run, home), limits or Limits(), on_exit, until, **options
+    )
+    try:
+        return session.run()
+    except VolunteerError as err:
+        session.say(f"fedrl volunteer: {err}")
+        return err.code
+
+
+def print_status(home: VolunteerHome, out=sys.stdout) -> int:
+    """`fedrl volunteer status`: whether the volunteer runs, what its node did last, its probe."""
+    session = home.last_session()
+    pid = session.get("pid")
+    running = bool(pid) and not session.get("clean") and psutil.pid_exists(pid)
+    status = read_json(home.state_dir / STATUS) or {}
+    probe = read_json(home.state_dir / PROBE)
+    out.write(f"volunteer: {f'running (pid {pid})' if running else 'not running'}\n")
+    for key in (
+        "phase",
+        "version",
+        "synced_version",
+        "staleness",
+        "reward",
+        "rounds",
+        "bytes_up",
+        "bytes_down",
+    ):
+        if key in status:
+            out.write(f"  {key}: {status[key]}\n")
+    if "updated_at" in status:
+        out.write(f"  last message: {time.time() - status['updated_at']:.0f} s ago\n")
+    if probe:
+        out.write(
+            "  probe: "
+            + ", ".join(f"{k}={probe[k]}" for k in ("step_s", "steps_per_round", "prompts"))
+            + "\n"
+        )
+    return EXIT_OK
