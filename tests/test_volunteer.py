@@ -4,6 +4,7 @@ scheduler keeping to a probe's cap, and the CLI's clear failures."""
 
 import asyncio
 import base64
+import io
 import json
 import subprocess
 import sys
@@ -207,3 +208,20 @@ def test_the_cli_fails_clearly_on_a_bad_invite_and_an_unreachable_store(tmp_path
         timeout=120,
     )
     assert down.returncode == 4 and "cannot reach the patch store" in down.stderr, down.stderr[-800:]
+
+
+def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
+    from fedrl.node_files import STATUS, update_status
+    from fedrl.volunteer.home import VolunteerHome
+    from fedrl.volunteer.session import print_status
+
+    invite = make_invite("r", "127.0.0.1:9", "https://127.0.0.1:9", ca, new_secret(), **LEARNER)
+    home = VolunteerHome.for_run(invite.run, tmp_path)
+    home.remember(invite)
+    update_status(home.state_dir, phase="idle", version=5, synced_version=5, rounds=3, bytes_down=1234)
+    write_json(home.session, {"pid": 999_999_999, "clean": False})  # a crashed volunteer's session
+    out = io.StringIO()
+    assert print_status(home, out) == 0
+    text = out.getvalue()
+    assert "not running" in text and "rounds: 3" in text and "synced_version: 5" in text
+    assert (home.state_dir / STATUS).exists()
