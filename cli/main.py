@@ -143,16 +143,11 @@ def cmd_deploy(args) -> int:
 
 def cmd_invite(args) -> int:
     from fedrl.credentials import read_secret
-    from fedrl.deploy.local import INVITE_LEARNER_KEYS, app_learner_defaults
+    from fedrl.deploy.local import learner_settings
     from fedrl.invite import make_invite
     from fedrl.sim.runner import parse_overrides
 
-    learner = app_learner_defaults() | {
-        k.replace("-", "_"): v for k, v in parse_overrides(args.set or []).items()
-    }
-    unknown = set(learner) - set(INVITE_LEARNER_KEYS)
-    if unknown:
-        raise ValueError(f"an invite carries only {', '.join(INVITE_LEARNER_KEYS)}; not {sorted(unknown)}")
+    learner = learner_settings(parse_overrides(args.set or []))
     invite = make_invite(
         args.run, args.superlink, args.store_url, args.ca_file, read_secret(args.secret_file), **learner
     )

@@ -106,24 +106,26 @@ def node_runtime(node: NodeSettings):
 
 
 def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport) -> None:
-    old = update_status(state_dir)  # read what is there
+    measured = {"step_s": report.compute_s / report.steps} if report.steps else {}  # else: kept
     update_status(
         state_dir,
+        add={
+            "rounds": 1 if report.steps else 0,
+            "bytes_up": report.bytes_up,
+            "bytes_down": report.bytes_down,
+        },
         phase="left" if report.leaving == "now" else "idle",
         version=instr.version,
         synced_version=report.synced_version,
         staleness=report.staleness,
         reward=report.reward,
-        rounds=old.get("rounds", 0) + (1 if report.steps else 0),
         steps=report.steps,
-        bytes_up=old.get("bytes_up", 0) + report.bytes_up,
-        bytes_down=old.get("bytes_down", 0) + report.bytes_down,
         last_bytes_down=report.bytes_down,
         last_full_sync_bytes=report.full_sync_bytes,  # what the cache saved: this minus the above
         link_bytes_per_s=report.link_bytes_per_s,
-        step_s=report.compute_s / report.steps if report.steps else old.get("step_s", 0.0),
         leaving=report.leaving,
         updated_at=time.time(),
+        **measured,
     )
 
 

@@ -42,9 +42,14 @@ INVITE_LEARNER_KEYS = (
 )
 
 
-def app_learner_defaults() -> dict:
-    """The deployment app's defaults of the learner settings an invite carries."""
-    config = {k.replace("-", "_"): v for k, v in app_config().items()}
+def learner_settings(overrides: dict, strict: bool = True) -> dict:
+    """The learner settings an invite carries: the deployment app's defaults, then `overrides`
+    (dashes or underscores). Other keys are an error when `strict`, else left to the run."""
+    chosen = {k.replace("-", "_"): v for k, v in overrides.items()}
+    unknown = set(chosen) - set(INVITE_LEARNER_KEYS)
+    if strict and unknown:
+        raise ValueError(f"an invite carries only {', '.join(INVITE_LEARNER_KEYS)}; not {sorted(unknown)}")
+    config = {k.replace("-", "_"): v for k, v in app_config().items()} | chosen
     return {k: config[k] for k in INVITE_LEARNER_KEYS}
 
 
@@ -202,17 +207,16 @@ class LocalDeployment:
     def secret(self) -> bytes:
         return load_or_create_secret(self.certs / "store.secret")
 
-    def invite(self, run: str = "local", **learner) -> Invite:
-        """An invite to this deployment, with the run's learner settings (the app's defaults,
-        then `learner`: model, task, ...)."""
-        chosen = app_learner_defaults() | {k.replace("-", "_"): v for k, v in learner.items()}
+    def invite(self, run: str = "local", **settings) -> Invite:
+        """An invite to this deployment carrying the run's learner settings (see
+        `learner_settings`); `settings` may be all of the run's overrides."""
         return make_invite(
             run,
             f"{self.host}:{self.superlink_port}",
             self.store_url,
             self.certs / "ca.pem",
             self.secret,
-            **{k: chosen[k] for k in INVITE_LEARNER_KEYS},
+            **learner_settings(settings, strict=False),
         )
 
     def start_approver(self, say=print) -> None:

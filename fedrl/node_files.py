@@ -55,14 +55,16 @@ def leave_request(state_dir: str | Path) -> str:
     return request.get("on_exit") if request.get("on_exit") in ON_EXIT else "drop"
 
 
-def update_status(state_dir: str | Path, **fields) -> dict:
-    """Merge `fields` into status.json (written by the ClientApp; the volunteer only resets the
-    phase when it starts)."""
+def update_status(state_dir: str | Path, add: dict | None = None, **fields) -> dict:
+    """Merge `fields` into status.json and add `add`'s numbers to the running totals (written by
+    the ClientApp; the volunteer only resets the phase when it starts)."""
     path = Path(state_dir) / STATUS
     try:
         status = read_json(path) or {}
     except ValueError:
         status = {}
+    for key, amount in (add or {}).items():
+        status[key] = status.get(key, 0) + amount
     status.update(fields)
     write_json(path, status)
     return status

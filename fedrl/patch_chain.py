@@ -114,21 +114,13 @@ class PatchPublisher:
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> list[tuple[int | None, int, bytes]]:
         """(base_version, target_version, patch bytes) to store for `version`."""
-        if self.latest_version is not None and version <= self.latest_version:
-            raise ValueError(f"version {version} is not newer than {self.latest_version}")
-        state = {k: v.detach().clone() for k, v in state.items()}
-        digest = state_hash(state)
+        prev_version = self.latest_version
+        prev = self.recent.get(prev_version) if prev_version is not None else None
+        state, digest = self._remember(state, version)
         out = []
-        if self.latest_version is not None:
-            prev_version = self.latest_version
-            prev, prev_hash = self.recent[prev_version]
-            out.append(
-                (
-                    prev_version,
-                    version,
-                    encode_patch(prev, state, prev_version, version, self.level, prev_hash, digest),
-                )
-            )
+        if prev is not None:
+            patch = encode_patch(prev[0], state, prev_version, version, self.level, prev[1], digest)
+            out.append((prev_version, version, patch))
         if not self.anchors or version % self.anchor_every == 0:
             self.anchors[version] = (state, digest)
             for old in sorted(self.anchors)[: -self.keep_anchors]:
@@ -136,10 +128,21 @@ class PatchPublisher:
             out.append(
                 (None, version, encode_patch(None, state, None, version, self.level, target_hash=digest))
             )
-        self.recent[version] = (state, digest)
+        return out
+
+    def retain(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Keep an earlier state without publishing it (a resumed coordinator's older checkpoints):
+        deltas based on it can still be judged, and the next publish patches from the newest."""
+        self._remember(state, version)
+
+    def _remember(self, state: Mapping[str, torch.Tensor], version: int) -> tuple[dict, str]:
+        if self.latest_version is not None and version <= self.latest_version:
+            raise ValueError(f"version {version} is not newer than {self.latest_version}")
+        kept = {k: v.detach().clone() for k, v in state.items()}
+        entry = self.recent[version] = (kept, state_hash(kept))
         while len(self.recent) > self.keep_recent:
             self.recent.popitem(last=False)
-        return out
+        return entry
 
     def state(self, version: int) -> dict | None:
         """A retained global state (recent or anchor), or None when it is gone."""

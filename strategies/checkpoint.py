@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -123,8 +124,9 @@ class Checkpointer:
         return tensor_path
 
 
-def load_latest(directory: str | Path) -> tuple[int, dict[str, torch.Tensor], dict] | None:
-    """The newest checkpoint whose tensor file matches its recorded hash; corrupt ones are skipped."""
+def load_checkpoints(directory: str | Path) -> Iterator[tuple[int, dict[str, torch.Tensor], dict]]:
+    """Every checkpoint whose tensor file matches its recorded hash, newest first; corrupt ones
+    are skipped."""
     directory = Path(directory)
     for manifest in sorted(directory.glob("ckpt-*.json"), reverse=True):
         try:
@@ -132,7 +134,11 @@ def load_latest(directory: str | Path) -> tuple[int, dict[str, torch.Tensor], di
             tensor_path = manifest.with_suffix(".safetensors")
             if hashlib.sha256(tensor_path.read_bytes()).hexdigest() != record["sha256"]:
                 continue
-            return int(record["version"]), load_file(str(tensor_path)), record["meta"]
+            yield int(record["version"]), load_file(str(tensor_path)), record["meta"]
         except (OSError, ValueError, KeyError):
             continue
-    return None
+
+
+def load_latest(directory: str | Path) -> tuple[int, dict[str, torch.Tensor], dict] | None:
+    """The newest verified checkpoint, or None."""
+    return next(load_checkpoints(directory), None)

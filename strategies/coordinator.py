@@ -35,7 +35,7 @@ from fedrl.schema import SchemaError
 from fedrl.signing import load_or_create_signing_key, public_key_pem
 from fedrl.store_client import BlockingStoreClient, StoreError, put_signed_patches
 from fedrl.strategies.aggregation import AggregationConfig, Update, aggregate_block, rejection_reason
-from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_latest
+from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_checkpoints
 from fedrl.strategies.membership import Membership
 from fedrl.strategies.run_config import RunConfig
 from fedrl.strategies.scheduler import BlockScheduler
@@ -112,7 +112,10 @@ class Coordinator:
             self.store_url, ADMIN, token_for(self.secret, ADMIN), ca_file=cfg.store_ca_file or None
         )
         self.resources.callback(self.admin.close)
-        self.checkpointer = Checkpointer(cfg.checkpoint_dir or self.out_dir / "checkpoints")
+        # every base a delta may still be judged against survives a restart (max_staleness + 1)
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint_dir or self.out_dir / "checkpoints", keep=cfg.max_staleness + 1
+        )
         self.resources.callback(self.checkpointer.close)
         self.members = Membership()
         self.refs: list[dict] = []
@@ -191,12 +194,18 @@ class Coordinator:
         self.checkpointer.save_async(self.version, self.global_state, meta)
 
     def resume(self) -> bool:
-        found = load_latest(self.checkpointer.directory)
-        if found is None:
+        """Continue from the newest checkpoint. The older ones kept beside it are retained as
+        bases, so deltas clients computed on them before the restart are judged, not lost."""
+        found = list(load_checkpoints(self.checkpointer.directory))
+        if not found:
             return False
-        version, tensors, meta = found
-        if set(tensors) != set(self.global_state):
-            raise ValueError(f"checkpoint in {self.checkpointer.directory} is for another adapter")
+        for _, tensors, _ in found:
+            if set(tensors) != set(self.global_state):
+                raise ValueError(f"checkpoint in {self.checkpointer.directory} is for another adapter")
+        version, tensors, meta = found[0]
+        for older, state, _ in reversed(found[1:]):
+            if older >= version - self.agg.max_staleness:
+                self.publisher.retain(state, older)
         self.version, self.global_state = version, tensors
         self.scheduler.load_state_dict(meta["scheduler"])
         self.members.load_state_dict(meta.get("members", {"ids": []}))

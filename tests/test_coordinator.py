@@ -118,6 +118,27 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert second["versions"] >= 4
 
 
+def test_a_resumed_coordinator_keeps_older_checkpoints_as_bases(tmp_path):
+    """A client may hold a delta computed on a version before the newest checkpoint: after a
+    restart that base is still known (the delta is judged, not refused as "no longer retained")
+    and a client holding it syncs with one small patch."""
+    from fedrl.patch import state_hash
+    from fedrl.strategies.checkpoint import load_checkpoints
+    from fedrl.strategies.coordinator import Coordinator
+
+    cfg = config(tmp_path, versions=3, max_staleness=2)
+    run_coordinator(FakeGrid(3, client_app), cfg)
+    kept = {v: t for v, t, _ in load_checkpoints(tmp_path / "run" / "checkpoints")}
+    assert len(kept) == 3  # max_staleness + 1 checkpoints survive
+    latest = max(kept)
+    with Coordinator(FakeGrid(3, client_app), cfg.replace(versions=latest + 2)) as again:
+        assert again.resume() and again.version == latest
+        for v in (latest - 2, latest - 1):
+            assert state_hash(again.publisher.state(v)) == state_hash(kept[v])
+        again.publish()
+        assert any(r["base_version"] == latest - 1 and r["target_version"] == latest for r in again.refs)
+
+
 def test_exported_adapter_loads_with_peft_and_reproduces_the_final_eval(tmp_path):
     from peft import PeftModel
 

@@ -76,6 +76,18 @@ def test_skip_patch_takes_a_returning_client_there_in_one_download():
     assert read_header(pub.full()).is_anchor
 
 
+def test_retained_states_are_bases_for_the_next_publish_without_being_published():
+    hist = states(7)
+    pub = PatchPublisher(anchor_every=4, keep_recent=2)
+    for v in (4, 5, 6):
+        pub.retain(hist[v], v)
+    assert pub.state(4) is None and state_hash(pub.state(5)) == state_hash(hist[5])  # keep_recent holds
+    out = pub.publish(hist[7], 7)
+    assert [(base, target) for base, target, _ in out] == [(6, 7), (None, 7)]
+    with pytest.raises(ValueError):
+        pub.retain(hist[6], 6)  # not newer than what it holds
+
+
 def test_corrupted_or_missing_patch_falls_back_to_the_next_plan():
     pub, store, hist = publish_all(9)
     bad = next(r for r in store.refs if (r.base_version, r.target_version) == (7, 8))

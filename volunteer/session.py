@@ -43,6 +43,8 @@ from fedrl.volunteer.probe import Limits, probe_json, probe_matches, probe_table
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
 SESSION_RELEASE_S = 150.0  # how long a crashed node's old session may hold its key (Flower: ~60 s)
+IDLE_LEAVE_S = 20.0  # an idle node that asked to leave gets its next message within seconds, or goes
+STARTED, SENT = "Start `flwr-clientapp` process", "Sent successfully"  # the SuperNode's log lines
 
 
 class VolunteerError(Exception):
@@ -258,14 +260,16 @@ class Session:
         except ValueError:
             return {}
 
-    def left(self, status: dict) -> bool:
-        """The node answered its last message with "leaving", or has nothing to finish."""
-        if status.get("phase") == "left":
-            return True
+    def left(self, status: dict, log: str) -> bool:
+        """The node answered its last message with "leaving" and the SuperNode has sent that
+        reply on (stopping it sooner loses the reply and the delta it carries), or it has
+        nothing to finish."""
         waited = time.monotonic() - self.leave_at
+        if status.get("phase") == "left":
+            return log.count(SENT) >= log.count(STARTED) or waited > self.exit_timeout_s
         if status.get("phase") == "working":
             return waited > self.exit_timeout_s
-        return waited > 20.0  # idle: the coordinator sends the next message within seconds
+        return waited > IDLE_LEAVE_S
 
     # ------------------------------------------------------------------ the loop
 
@@ -308,7 +312,7 @@ class Session:
                 self.say(f"connected to {self.invite.superlink} as node {self.node_id}")
             status = self.status()
             line.show(self.node_id, status)
-            if self.leave_at is not None and self.left(status):
+            if self.leave_at is not None and self.left(status, log):
                 line.done()
                 self.say(f"left the federation cleanly ({status.get('phase', 'idle')}); bye")
                 return EXIT_OK
