@@ -105,7 +105,7 @@ def node_runtime(node: NodeSettings):
     )
 
 
-def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport) -> None:
+def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport, holds_delta: bool) -> None:
     measured = {"step_s": report.compute_s / report.steps} if report.steps else {}  # else: kept
     update_status(
         state_dir,
@@ -124,6 +124,7 @@ def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport) 
         last_full_sync_bytes=report.full_sync_bytes,  # what the cache saved: this minus the above
         link_bytes_per_s=report.link_bytes_per_s,
         leaving=report.leaving,
+        holds_delta=holds_delta,  # an unsent delta: a flush withdrawal waits for the next message
         updated_at=time.time(),
         **measured,
     )
@@ -161,7 +162,7 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
         save_state(context.state, new_state)
         if node.state_dir:
             save_to_disk(node.state_dir, instr.store_url, new_state)
-            record_status(node.state_dir, instr, report)
+            record_status(node.state_dir, instr, report, holds_delta=new_state.pending is not None)
         if probe is not None:
             report = report.replace(hardware=probe.model_dump_json())
         return Message(RecordDict({"report": ConfigRecord(report.to_record())}), reply_to=msg)

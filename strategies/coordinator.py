@@ -50,6 +50,7 @@ class Dispatch:
     block: int
     action: str
     version: int
+    steps: int  # what the scheduler asked for (a node keeps to its own probe's cap)
     sent: float  # on the run's clock
     watchdog: float  # time.monotonic() after which the message is given up
     arrived: bool = False  # the Grid delivered the reply; the clock decides when it is handled
@@ -307,7 +308,7 @@ class Coordinator:
             self.event("error", node=node, reason="message not accepted by the SuperLink")
             return
         self.in_flight[ids[0]] = Dispatch(
-            node, block, action, self.version, self.now(), time.monotonic() + ttl + 5
+            node, block, action, self.version, steps, self.now(), time.monotonic() + ttl + 5
         )
         self.clock.sent(ids[0], instr)
 
@@ -357,7 +358,7 @@ class Coordinator:
         probe = report.probe
         if probe is not None:
             self.scheduler.observe_probe(d.node, probe.step_s, probe.steps_per_round)
-        self.record_client(d.node, report, probe)
+        self.record_client(d, report, probe)
         holds_delta = d.action == "train" and report.steps and report.leaving != "now"
         if holds_delta and self.cfg.mode == "parablock" and d.node in self.members.present:
             self.pending_nodes.add(d.node)
@@ -368,7 +369,8 @@ class Coordinator:
         if report.leaving:
             self.withdraw(d.node, report.leaving)
 
-    def record_client(self, node: int, r: TrainReport, probe=None) -> None:
+    def record_client(self, d: Dispatch, r: TrainReport, probe=None) -> None:
+        node = d.node
         c = self.clients.setdefault(
             node,
             {
@@ -408,6 +410,7 @@ class Coordinator:
             node=node,
             reward=r.reward,
             steps=r.steps,
+            assigned_steps=d.steps,
             staleness=r.staleness,
             synced_version=r.synced_version,
             bytes_up=r.bytes_up,

@@ -85,7 +85,9 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     SuperLink has timed out its old session (Flower refuses a key whose session is still
     live: 30 s heartbeats, patience 2), rejoins with the same id and catches up."""
     out = deployment.root / "run"
-    config = dict(versions=4, out_dir=str(out), deadline_s=30.0, **SMALL)
+    config = dict(
+        versions=4, out_dir=str(out), deadline_s=60.0, **SMALL
+    )  # a cold restarted node is slow under load
     clientapps = lambda: (deployment.logs / "node-3.log").read_text().count("Start `flwr-clientapp` process")
     started = clientapps()
     run_id = deployment.submit(**config)

@@ -225,3 +225,33 @@ def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
     text = out.getvalue()
     assert "not running" in text and "rounds: 3" in text and "synced_version: 5" in text
     assert (home.state_dir / STATUS).exists()
+
+
+@pytest.mark.parametrize(
+    "on_exit,status,log,waited_s,stops",
+    [
+        ("flush", {"phase": "left"}, "", 0, True),  # answered "leaving", nothing else started
+        ("flush", {"phase": "left"}, "STARTED", 0, False),  # its reply is not sent yet
+        ("flush", {"phase": "left"}, "STARTED SENT", 0, True),
+        ("flush", {"phase": "working"}, "STARTED", 60, False),  # finishing its round
+        ("flush", {"phase": "idle", "holds_delta": True}, "STARTED SENT", 5, False),  # waits for a message
+        ("flush", {"phase": "idle", "holds_delta": True}, "STARTED SENT", 35, True),  # none came
+        ("flush", {"phase": "idle", "holds_delta": True}, "STARTED SENT STARTED", 35, False),  # one came
+        ("drop", {"phase": "idle", "holds_delta": True}, "STARTED SENT", 0, True),  # abandons the delta
+        ("flush", {"phase": "idle", "holds_delta": False}, "STARTED SENT", 0, True),  # nothing to hand in
+        ("flush", {"phase": "connecting"}, "", 0, True),
+    ],
+)
+def test_a_withdrawal_stops_the_supernode_only_once_nothing_is_left_to_send(
+    tmp_path, ca, on_exit, status, log, waited_s, stops
+):
+    import time
+
+    from fedrl.volunteer.home import VolunteerHome
+    from fedrl.volunteer.session import SENT, STARTED, Session
+
+    invite = make_invite("r", "127.0.0.1:9", "https://127.0.0.1:9", ca, new_secret(), **LEARNER)
+    session = Session(invite, VolunteerHome.for_run(invite.run, tmp_path), on_exit=on_exit)
+    session.leave_at = time.monotonic() - waited_s
+    log = log.replace("STARTED", STARTED).replace("SENT", SENT)
+    assert session.left(status, log) is stops

@@ -78,7 +78,10 @@ class Volunteer:
 
 
 def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
-    a = Volunteer(deployment, "a", "--upload-kbps", str(UPLOAD_KBPS), "--on-exit", "flush")
+    # A gives rounds of at most 0.05 s of compute: its probe caps it at one step per round
+    a = Volunteer(
+        deployment, "a", "--upload-kbps", str(UPLOAD_KBPS), "--on-exit", "flush", "--round-s", "0.05"
+    )
     b = Volunteer(deployment, "b")
     try:
         a.join()
@@ -93,7 +96,7 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
             buffer_size=2,
             eval_every=4,
             node_wait_s=180.0,
-            deadline_s=40.0,
+            deadline_s=60.0,
             task_params=json.dumps({"length": 8, "num_eval": 64}),
         )
         # A: withdrawn with SIGINT while it works on a round (its second or later)
@@ -141,11 +144,15 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
     comeback = [e for e in replies_a if e["t"] > t_left][0]
     # it synced from the version it cached, not from nothing: fewer bytes than a cold node's sync
     assert comeback["full_sync_bytes"] > 0 and comeback["bytes_down"] < comeback["full_sync_bytes"], comeback
-    # the probe travelled and was used: steps never above the cap, the hardware in the summary
+    # the probe travelled and was used: once the coordinator had A's probe (with its first
+    # reply) it asked for no more steps than the cap; A never did more; the hardware is reported
     client_a = summary["clients"][str(node_a)]
     probe_a = read_json(a.home.state_dir / PROBE)
-    assert client_a["hardware"]["steps_per_round"] == probe_a["steps_per_round"]
+    assert probe_a["steps_per_round"] == 1 and client_a["hardware"]["steps_per_round"] == 1
     assert client_a["hardware"]["threads"] == 1
+    trained = [e for e in replies_a if e["assigned_steps"]]
+    assert trained[0]["assigned_steps"] > 1  # asked before the probe was known
+    assert all(e["assigned_steps"] == 1 for e in trained[1:]) and all(e["steps"] <= 1 for e in trained)
     # the upload cap: measured through the capped link, within 20% of it and never above
     cap = UPLOAD_KBPS * 1000 / 8
     assert 0.8 * cap <= probe_a["up_bytes_s"] <= 1.2 * cap, probe_a["up_bytes_s"]

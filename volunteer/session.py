@@ -43,7 +43,7 @@ from fedrl.volunteer.probe import Limits, probe_json, probe_matches, probe_table
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
 SESSION_RELEASE_S = 150.0  # how long a crashed node's old session may hold its key (Flower: ~60 s)
-IDLE_LEAVE_S = 20.0  # an idle node that asked to leave gets its next message within seconds, or goes
+IDLE_LEAVE_S = 30.0  # an idle node with a delta to hand in gets its next message within seconds, or goes
 STARTED, SENT = "Start `flwr-clientapp` process", "Sent successfully"  # the SuperNode's log lines
 
 
@@ -261,15 +261,16 @@ class Session:
             return {}
 
     def left(self, status: dict, log: str) -> bool:
-        """The node answered its last message with "leaving" and the SuperNode has sent that
-        reply on (stopping it sooner loses the reply and the delta it carries), or it has
-        nothing to finish."""
+        """Nothing is left to send: no message is being handled and no reply is on its way
+        (stopping the SuperNode sooner loses the reply and the delta it carries), and no
+        delta waits to be handed in with a next message (for at most IDLE_LEAVE_S)."""
         waited = time.monotonic() - self.leave_at
-        if status.get("phase") == "left":
-            return log.count(SENT) >= log.count(STARTED) or waited > self.exit_timeout_s
-        if status.get("phase") == "working":
+        busy = log.count(SENT) < log.count(STARTED) or status.get("phase") == "working"
+        if busy:
             return waited > self.exit_timeout_s
-        return waited > IDLE_LEAVE_S
+        if status.get("phase") == "idle" and status.get("holds_delta") and self.on_exit == "flush":
+            return waited > IDLE_LEAVE_S
+        return True
 
     # ------------------------------------------------------------------ the loop
 
