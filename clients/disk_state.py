@@ -10,14 +10,13 @@ bound to the patch store it came from; another federation's state is ignored.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from fedrl.clients.block_worker import ClientState, Pending
-from fedrl.node_files import CLIENT_STATE
+from fedrl.node_files import CLIENT_STATE, write_atomic
 
 FILE = "state.safetensors"
 PARTS = ("local", "held", "pending_base", "pending_new")
@@ -40,11 +39,7 @@ def save_to_disk(state_dir: str | Path, store_url: str, s: ClientState) -> None:
         "held_version": s.held_version,
         "pending": None if p is None else [p.block, p.base_version, p.samples],
     }
-    path = state_path(state_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{FILE}.{os.getpid()}.tmp")
-    tmp.write_bytes(save(tensors, metadata={"fedrl": json.dumps(meta)}))
-    os.replace(tmp, path)  # a kill before this line leaves the previous state whole
+    write_atomic(state_path(state_dir), save(tensors, metadata={"fedrl": json.dumps(meta)}))
 
 
 def load_from_disk(state_dir: str | Path, store_url: str) -> ClientState | None:

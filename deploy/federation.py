@@ -31,6 +31,18 @@ def tool(name: str) -> str:
     return found
 
 
+def flwr_env(**extra: str) -> dict[str, str]:
+    """This process's environment for Flower's tools: no update checks, no runtime installs,
+    unbuffered logs; plus `extra`."""
+    return {
+        **os.environ,
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
+
+
 def app_config() -> dict:
     """The run config the deployment app accepts, with its defaults ([tool.flwr.app.config])."""
     return tomllib.loads((APP_DIR / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
@@ -54,13 +66,7 @@ class Federation:
         )
 
     def env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            "FLWR_HOME": str(self.home),
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
+        return flwr_env(FLWR_HOME=str(self.home))
 
     def call(self, *args: str, timeout_s: float = 120.0) -> dict:
         """A `flwr` CLI call with JSON output; DeployError with its message when it fails."""

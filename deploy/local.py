@@ -27,19 +27,9 @@ from fedrl.certs import make_ca, make_node_key, make_server_cert
 from fedrl.credentials import load_or_create_secret
 from fedrl.deploy.federation import DeployError, Federation, app_config, tool
 from fedrl.invite import Invite, make_invite
+from fedrl.protocol import LearnerSettings
 
-INVITE_LEARNER_KEYS = (
-    "model",
-    "task",
-    "task_params",
-    "num_blocks",
-    "lora_rank",
-    "lora_alpha",
-    "lr",
-    "prompts",
-    "samples",
-    "method",
-)
+INVITE_LEARNER_KEYS = tuple(LearnerSettings.model_fields)
 
 
 def learner_settings(overrides: dict, strict: bool = True) -> dict:
@@ -68,6 +58,37 @@ def check_port_free(host: str, port: int, what: str) -> None:
             s.bind((host, port))
         except OSError as err:
             raise DeployError(f"{what}: port {host}:{port} is already in use ({err.strerror})") from None
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to a running process's whole group (what it started goes with it)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_groups(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
+    """Send `sig` to each process's group (what it started goes with it), wait up to `timeout_s`
+    for the leaders, then SIGKILL each group until it is gone."""
+    for proc in procs:
+        signal_group(proc, sig)
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass  # the sweep below kills it
+    for proc in procs:  # a group may outlive its leader: SIGKILL it until it is gone
+        gone_by = time.monotonic() + 10
+        while time.monotonic() < gone_by:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                break
+            proc.poll()  # reap the leader: a zombie would keep its group alive
+            time.sleep(0.05)
 
 
 class LocalDeployment:
@@ -254,12 +275,8 @@ class LocalDeployment:
 
     def signal(self, name: str, sig: int = signal.SIGTERM) -> None:
         """Send `sig` to a service's whole process group (what it started goes with it)."""
-        proc = self.procs.get(name)
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
+        if name in self.procs:
+            signal_group(self.procs[name], sig)
 
     def kill(self, name: str) -> None:
         """SIGKILL a service and everything it started; returns once it is gone."""
@@ -272,23 +289,7 @@ class LocalDeployment:
         if self.approver is not None:
             self.approver.close()
             self.approver = None
-        for name in reversed(list(self.procs)):
-            self.signal(name, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass  # the sweep below kills it
-        for proc in self.procs.values():  # a group may outlive its leader: SIGKILL it until it is gone
-            gone_by = time.monotonic() + 10
-            while time.monotonic() < gone_by:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    break
-                proc.poll()  # reap the leader: a zombie would keep its group alive
-                time.sleep(0.05)
+        stop_groups(list(reversed(self.procs.values())), signal.SIGTERM, timeout_s)
 
     def __enter__(self) -> LocalDeployment:
         return self

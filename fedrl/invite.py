@@ -20,7 +20,8 @@ from cryptography import x509
 from pydantic import model_validator
 
 from fedrl.credentials import invite_principal, token_for
-from fedrl.schema import Schema, SchemaError
+from fedrl.protocol import LearnerSettings
+from fedrl.schema import SchemaError
 
 PREFIX = "fedrl-invite:"
 VERSION = 1
@@ -32,24 +33,14 @@ class InviteError(ValueError):
     """An invite that cannot be used; the message says why."""
 
 
-class Invite(Schema):
+class Invite(LearnerSettings):
     version: int
     run: str  # the federation's name; the volunteer's files are kept under it
     superlink: str  # host:port of the SuperLink (Fleet API)
     store_url: str  # the patch store (https)
     ca_pem: str  # the CA certificate that signed the SuperLink's and the store's certificates
     token: str  # credential of principal invite:<run>
-    # what the run trains, for the probe (the coordinator's instructions decide the real work)
-    model: str
-    task: str
-    task_params: str
-    num_blocks: int
-    lora_rank: int
-    lora_alpha: float
-    lr: float
-    prompts: int
-    samples: int
-    method: str
+    # + LearnerSettings: what the run trains, for the probe (instructions decide the real work)
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -84,8 +75,7 @@ def make_invite(
     run: str, superlink: str, store_url: str, ca_file: str | Path, secret: bytes, **learner
 ) -> Invite:
     """The operator's side (`fedrl invite`): `secret` is the patch store's; `learner` the run's
-    settings (model, task, task_params, num_blocks, lora_rank, lora_alpha, lr, prompts, samples,
-    method)."""
+    LearnerSettings."""
     try:
         ca_pem = Path(ca_file).read_text()
     except OSError as err:

@@ -22,11 +22,16 @@ STATUS, PROBE, LEAVE, CLIENT_STATE = "status.json", "probe.json", "leave.json", 
 ON_EXIT = ("flush", "drop")
 
 
-def write_json(path: Path, data: dict) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace the file whole: a kill before the rename leaves the previous one as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def write_json(path: Path, data: dict) -> None:
+    write_atomic(path, json.dumps(data, indent=1).encode())
 
 
 def read_json(path: Path) -> dict | None:

@@ -28,16 +28,10 @@ def check_json(text: str, what: str) -> None:
         raise ValueError(f"{what} must be JSON, got {text[:60]!r}") from None
 
 
-class TrainInstruction(Schema):
-    action: str
-    mode: str
-    block: int  # -1: every block (fedavg-lora)
-    steps: int
-    version: int  # the global version to sync to
-    store_url: str
-    principal: str
-    token: str
-    public_key: str  # PEM of the coordinator's Ed25519 key; global patches must verify with it
+class LearnerSettings(Schema):
+    """What a run trains: its model, adapter and learner. Every instruction carries them, and so
+    does an invite (a volunteer's probe measures the real learner step)."""
+
     model: str
     task: str
     task_params: str  # JSON
@@ -48,6 +42,23 @@ class TrainInstruction(Schema):
     prompts: int
     samples: int
     method: str
+
+    @classmethod
+    def of(cls, source) -> dict:
+        """These settings as fields, read from anything that has them (a RunConfig, an Invite)."""
+        return {name: getattr(source, name) for name in cls.model_fields}
+
+
+class TrainInstruction(LearnerSettings):
+    action: str
+    mode: str
+    block: int  # -1: every block (fedavg-lora)
+    steps: int
+    version: int  # the global version to sync to
+    store_url: str
+    principal: str
+    token: str
+    public_key: str  # PEM of the coordinator's Ed25519 key; global patches must verify with it
     seed: int
     client_id: int  # the node's stable id in this run (never renumbered)
     data_shards: int  # the task's data is split in this many shards; the client takes client_id % data_shards

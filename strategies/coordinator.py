@@ -29,7 +29,7 @@ from fedrl.lora import build_adapter_model
 from fedrl.patch import PatchError, PatchLimits, apply_patch
 from fedrl.patch_chain import PatchPublisher
 from fedrl.patch_store import PatchStoreServer, StoreState
-from fedrl.protocol import MESSAGE_TYPE, TrainInstruction, TrainReport
+from fedrl.protocol import MESSAGE_TYPE, LearnerSettings, TrainInstruction, TrainReport
 from fedrl.rollout import greedy_error
 from fedrl.schema import SchemaError
 from fedrl.signing import load_or_create_signing_key, public_key_pem
@@ -261,6 +261,7 @@ class Coordinator:
         self.rounds[node] = self.rounds.get(node, 0) + 1
         principal = node_principal(node)
         return TrainInstruction(
+            **LearnerSettings.of(cfg),
             action=action,
             mode=cfg.mode,
             block=block,
@@ -270,16 +271,6 @@ class Coordinator:
             principal=principal,
             token=token_for(self.secret, principal),
             public_key=self.public_key,
-            model=cfg.model,
-            task=cfg.task,
-            task_params=cfg.task_params,
-            num_blocks=cfg.num_blocks,
-            lora_rank=cfg.lora_rank,
-            lora_alpha=cfg.lora_alpha,
-            lr=cfg.lr,
-            prompts=cfg.prompts,
-            samples=cfg.samples,
-            method=cfg.method,
             seed=cfg.seed,
             client_id=self.members.client_id(node),
             data_shards=cfg.shards,

@@ -23,7 +23,7 @@ from fedrl.clients.runtime import CommResult, Runtime
 from fedrl.invite import Invite
 from fedrl.link import RateLimitedLink
 from fedrl.lora import build_adapter_model
-from fedrl.protocol import HardwareProbe, TrainInstruction
+from fedrl.protocol import HardwareProbe, LearnerSettings, TrainInstruction
 from fedrl.store_client import PatchStoreClient
 
 MAX_STEPS_PER_ROUND = 64
@@ -68,6 +68,7 @@ def accelerator() -> str:
 def probe_instruction(invite: Invite, prompts: int) -> TrainInstruction:
     """A local instruction of the run's learner (nothing is sent; block 0, one shard)."""
     return TrainInstruction(
+        **(LearnerSettings.of(invite) | {"prompts": prompts}),
         action="train",
         mode="parablock",
         block=0,
@@ -77,16 +78,6 @@ def probe_instruction(invite: Invite, prompts: int) -> TrainInstruction:
         principal=invite.principal,
         token=invite.token,
         public_key="",
-        model=invite.model,
-        task=invite.task,
-        task_params=invite.task_params,
-        num_blocks=invite.num_blocks,
-        lora_rank=invite.lora_rank,
-        lora_alpha=invite.lora_alpha,
-        lr=invite.lr,
-        prompts=prompts,
-        samples=invite.samples,
-        method=invite.method,
         seed=0,
         client_id=0,
         data_shards=1,

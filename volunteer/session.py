@@ -30,10 +30,10 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
-from fedrl.deploy.federation import tool
-from fedrl.deploy.local import free_port
+from fedrl.deploy.federation import flwr_env, tool
+from fedrl.deploy.local import free_port, stop_groups
 from fedrl.invite import Invite
-from fedrl.node_files import LEAVE, ON_EXIT, PROBE, STATUS, read_json, update_status, write_json
+from fedrl.node_files import LEAVE, ON_EXIT, PROBE, STATUS, read_json, update_status, write_atomic, write_json
 from fedrl.protocol import HardwareProbe
 from fedrl.signing import key_fingerprint_ssh
 from fedrl.store_client import PatchStoreClient, StoreError
@@ -145,7 +145,7 @@ class Session:
             return
         self.say("probing this machine and its link to the patch store ...")
         result = run_probe(self.invite, str(self.home.ca_file), self.limits)
-        path.write_text(probe_json(result))
+        write_atomic(path, probe_json(result).encode())
         self.say(probe_table(result))
 
     # ------------------------------------------------------------------ the SuperNode
@@ -170,14 +170,7 @@ class Session:
         argv += ["--root-certificates", str(self.home.ca_file), "--auth-supernode-private-key", str(key)]
         argv += ["--port", str(free_port()), "--node-config", self.node_config()]
         argv += ["--max-retries", "5", "--max-wait-time", "60"]
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(threads),
-            "MKL_NUM_THREADS": str(threads),
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = flwr_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         cpus = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else None
 
         def confine():  # the SuperNode and every process it starts stay on the allowed cores
@@ -207,22 +200,8 @@ class Session:
 
     def stop_node(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> None:
         """Signal the SuperNode's process group, then SIGKILL whatever is left after timeout_s."""
-        if self.proc is None:
-            return
-        for s, wait_s in ((sig, timeout_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, s)
-            except (ProcessLookupError, PermissionError):
-                break
-            try:
-                self.proc.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                continue
-            try:  # the leader is gone; children of the group may linger
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            break
+        if self.proc is not None:
+            stop_groups([self.proc], sig, timeout_s)
 
     def memory_mb(self) -> float:
         try:
