@@ -233,6 +233,8 @@ def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
         ("flush", {"phase": "left"}, "", 0, True),  # answered "leaving", nothing else started
         ("flush", {"phase": "left"}, "STARTED", 0, False),  # its reply is not sent yet
         ("flush", {"phase": "left"}, "STARTED SENT", 0, True),
+        ("flush", {"phase": "left", "updated_at": -2}, "STARTED SENT", 0, False),  # not yet pulled
+        ("flush", {"phase": "left", "updated_at": -12}, "STARTED SENT", 0, True),
         ("flush", {"phase": "working"}, "STARTED", 60, False),  # finishing its round
         ("flush", {"phase": "idle", "holds_delta": True}, "STARTED SENT", 5, False),  # waits for a message
         ("flush", {"phase": "idle", "holds_delta": True}, "STARTED SENT", 35, True),  # none came
@@ -253,5 +255,7 @@ def test_a_withdrawal_stops_the_supernode_only_once_nothing_is_left_to_send(
     invite = make_invite("r", "127.0.0.1:9", "https://127.0.0.1:9", ca, new_secret(), **LEARNER)
     session = Session(invite, VolunteerHome.for_run(invite.run, tmp_path), on_exit=on_exit)
     session.leave_at = time.monotonic() - waited_s
+    if "updated_at" in status:  # given as seconds ago
+        status = status | {"updated_at": time.time() + status["updated_at"]}
     log = log.replace("STARTED", STARTED).replace("SENT", SENT)
     assert session.left(status, log) is stops

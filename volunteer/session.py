@@ -44,6 +44,9 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 
 EXIT_INTERRUPTED = 130
 SESSION_RELEASE_S = 150.0  # how long a crashed node's old session may hold its key (Flower: ~60 s)
 IDLE_LEAVE_S = 30.0  # an idle node with a delta to hand in gets its next message within seconds, or goes
+# Flower's SuperLink answers NODE_UNAVAILABLE for a message whose node has gone offline, even when
+# the reply is already there: the node stays up until the coordinator has surely pulled its last reply
+REPLY_PICKUP_S = 10.0
 STARTED, SENT = "Start `flwr-clientapp` process", "Sent successfully"  # the SuperNode's log lines
 
 
@@ -241,15 +244,16 @@ class Session:
 
     def left(self, status: dict, log: str) -> bool:
         """Nothing is left to send: no message is being handled and no reply is on its way
-        (stopping the SuperNode sooner loses the reply and the delta it carries), and no
-        delta waits to be handed in with a next message (for at most IDLE_LEAVE_S)."""
+        (stopping the SuperNode sooner loses the reply and the delta it carries), the last reply
+        has had REPLY_PICKUP_S to be pulled, and no delta waits to be handed in with a next
+        message (for at most IDLE_LEAVE_S)."""
         waited = time.monotonic() - self.leave_at
         busy = log.count(SENT) < log.count(STARTED) or status.get("phase") == "working"
         if busy:
             return waited > self.exit_timeout_s
         if status.get("phase") == "idle" and status.get("holds_delta") and self.on_exit == "flush":
             return waited > IDLE_LEAVE_S
-        return True
+        return time.time() - status.get("updated_at", 0.0) > REPLY_PICKUP_S
 
     # ------------------------------------------------------------------ the loop
 
