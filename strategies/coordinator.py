@@ -204,9 +204,11 @@ class Coordinator:
             if set(tensors) != set(self.global_state):
                 raise ValueError(f"checkpoint in {self.checkpointer.directory} is for another adapter")
         version, tensors, meta = found[0]
-        for older, state, _ in reversed(found[1:]):
-            if older >= version - self.agg.max_staleness:
-                self.publisher.retain(state, older)
+        older = {v: state for v, state, _ in found[1:]}
+        older.setdefault(0, dict(self.adapter.initial))  # v0 is never checkpointed; the seeded build is it
+        for v in sorted(older):
+            if version - self.agg.max_staleness <= v < version:
+                self.publisher.retain(older[v], v)
         self.version, self.global_state = version, tensors
         self.scheduler.load_state_dict(meta["scheduler"])
         self.members.load_state_dict(meta.get("members", {"ids": []}))

@@ -135,6 +135,9 @@ def test_a_resumed_coordinator_keeps_older_checkpoints_as_bases(tmp_path):
         assert again.resume() and again.version == latest
         for v in (latest - 2, latest - 1):
             assert state_hash(again.publisher.state(v)) == state_hash(kept[v])
+    with Coordinator(FakeGrid(3, client_app), cfg.replace(max_staleness=latest)) as again:
+        assert again.resume()  # v0 has no checkpoint: the coordinator's seeded build stands for it
+        assert state_hash(again.publisher.state(0)) == state_hash(again.adapter.initial)
         again.publish()
         assert any(r["base_version"] == latest - 1 and r["target_version"] == latest for r in again.refs)
 
