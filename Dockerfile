@@ -28,6 +28,7 @@ COPY clients/ clients/
 COPY sim/ sim/
 COPY deploy/ deploy/
 COPY cli/ cli/
+COPY volunteer/ volunteer/
 RUN pip install --no-cache-dir --no-deps . \
  && mkdir -p /var/lib/fedrl/cache /var/lib/fedrl/state /var/lib/fedrl/run \
  && fedrl prepare --model tiny-base

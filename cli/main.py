@@ -63,6 +63,13 @@ def cmd_sim(args) -> int:
     return simulate_main(args)
 
 
+def cmd_dashboard(args) -> int:
+    from fedrl.monitor import serve_run_dir
+
+    serve_run_dir(args.run_dir, args.host, args.port)
+    return 0
+
+
 def cmd_patch_store(args) -> int:
     from fedrl.credentials import read_secret
     from fedrl.patch_store import serve
@@ -288,7 +295,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="run config overrides, e.g. mode=block-sequential sync=true",
     )
+    p.add_argument(
+        "--dashboard",
+        nargs="?",
+        type=int,
+        const=8787,
+        metavar="PORT",
+        help="serve a live dashboard and /metrics while the run goes on (default port 8787; 0: a free one)",
+    )
     p.set_defaults(func=cmd_sim)
+
+    p = sub.add_parser("dashboard", help="serve a run folder's dashboard and /metrics (live or over)")
+    p.add_argument("run_dir", help="a run's output folder (it holds events.jsonl)")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to let other hosts in")
+    p.add_argument("--port", type=int, default=8787)
+    p.set_defaults(func=cmd_dashboard)
 
     p = sub.add_parser("patch-store", help="run the patch store (data plane) as its own service")
     p.add_argument("--host", default="127.0.0.1")

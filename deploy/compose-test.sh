@@ -44,9 +44,9 @@ docker build --network host -t fedrl:compose-test \
 
 WORK=$(mktemp -d)
 export FEDRL_TAG=compose-test FEDRL_CERTS="$WORK/certs" NODES RUN_CONFIG RUN_TIMEOUT=900
-export BIND_HOST=127.0.0.1 SUPERLINK_ADDR=127.0.0.1 STORE_ADDR=127.0.0.1
-SUPERLINK_PORT=$(free_port) STORE_PORT=$(free_port)
-export SUPERLINK_PORT STORE_PORT SUPERLINK_PUBLISH=$SUPERLINK_PORT STORE_PUBLISH=$STORE_PORT
+export BIND_HOST=127.0.0.1 SUPERLINK_ADDR=127.0.0.1 STORE_ADDR=127.0.0.1 COORDINATOR_ADDR=127.0.0.1
+SUPERLINK_PORT=$(free_port) STORE_PORT=$(free_port) MONITOR_PORT=$(free_port)
+export SUPERLINK_PORT STORE_PORT MONITOR_PORT SUPERLINK_PUBLISH=$SUPERLINK_PORT STORE_PUBLISH=$STORE_PORT
 # docker-compose 1.29 refuses published ports on host-networked services and cannot remove a
 # key in an override file: render the merged config and drop `ports` where the network is the host's
 docker-compose -p "$PROJECT" -f docker-compose.yml -f deploy/compose.host.yml config \

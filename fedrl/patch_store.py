@@ -12,6 +12,7 @@
   POST   /enroll/{fingerprint}    admin only: {"status": "approved" | "refused", "reason"}
   GET    /probe?bytes=N           N random bytes (N <= 16 MiB), to measure a link's download
   POST   /probe                   a body that is read and dropped, to measure a link's upload
+  GET    /health, /metrics        liveness with what it holds; Prometheus metrics (fedrl.store_metrics)
 
 Credentials: `Authorization: Bearer <token>` with `X-Principal: node-<id>`, `admin`, or
 `invite:<run>` (what `fedrl invite` hands to volunteers: it may enroll a key and probe, nothing else).
@@ -19,19 +20,20 @@ Credentials: `Authorization: Bearer <token>` with `X-Principal: node-<id>`, `adm
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
 import os
 import ssl
-import threading
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from fedrl.background_app import BackgroundApp
 from fedrl.credentials import ADMIN, INVITE_PREFIX, check_token
 from fedrl.signing import key_fingerprint_ssh
+from fedrl.store_metrics import StoreMetrics
 
 HASH_CHARS = set("0123456789abcdef")
 MAX_PROBE_BYTES = 16 << 20
@@ -129,10 +131,15 @@ async def log_refusals(request: web.Request, handler):
 
 def make_app(state: StoreState) -> web.Application:
     routes = web.RouteTableDef()
+    metrics = StoreMetrics(lambda: len(state.objects), lambda: state.total_bytes)
+
+    @routes.get("/metrics")
+    async def prometheus(request):
+        return web.Response(body=metrics.text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     @routes.get("/health")
     async def health(request):
-        return web.json_response({"ok": True, "objects": len(state.objects)})
+        return web.json_response({"ok": True, "objects": len(state.objects), "bytes": state.total_bytes})
 
     @routes.put("/objects/{digest}")
     async def put(request):
@@ -281,7 +288,9 @@ def make_app(state: StoreState) -> web.Application:
         }
         return web.json_response({"refs": len(refs)})
 
-    app = web.Application(client_max_size=state.max_object_bytes, middlewares=[log_refusals])
+    app = web.Application(
+        client_max_size=state.max_object_bytes, middlewares=[metrics.middleware, log_refusals]
+    )
     app.add_routes(routes)
     return app
 
@@ -297,72 +306,14 @@ def ssl_context(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | N
     return ctx
 
 
-class PatchStoreServer:
-    """Runs the store on its own event loop in a background thread (inside the ServerApp)."""
+class PatchStoreServer(BackgroundApp):
+    """The store on its own event loop in a background thread (inside the ServerApp)."""
 
     def __init__(
         self, state: StoreState, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None
     ):
-        self.state, self.host, self.port, self.tls = state, host, port, tls
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="patch-store", daemon=True)
-        self._runner: web.AppRunner | None = None
-        self._error: OSError | None = None
-
-    @property
-    def url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
-
-    def start(self) -> PatchStoreServer:
-        """Listen, or raise at once with the reason (a busy port, say); nothing is left running."""
-        self._thread.start()
-        if not self._ready.wait(30):
-            raise RuntimeError(f"patch store on {self.host}:{self.port} did not start within 30 s")
-        if self._error is not None:
-            self._thread.join()
-            raise OSError(
-                f"patch store could not listen on {self.host}:{self.port}: {self._error}"
-            ) from self._error
-        return self
-
-    def __enter__(self) -> PatchStoreServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-
-        async def boot():
-            self._runner = web.AppRunner(make_app(self.state), access_log=None)
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.tls)
-            await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]
-
-        try:
-            self._loop.run_until_complete(boot())
-        except OSError as err:
-            self._error = err
-            self._loop.run_until_complete(self._runner.cleanup())
-            self._loop.close()
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            self._loop.run_forever()
-        finally:
-            self._loop.close()
-
-    def stop(self) -> None:
-        if not self._thread.is_alive():
-            return
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self.state = state
+        super().__init__(lambda: make_app(state), "patch store", host, port, tls)
 
 
 def serve(

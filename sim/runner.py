@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -121,6 +122,11 @@ def main(args) -> int:
     print(
         f"scenario {scenario.name}: {scenario.description} ({clients} clients, seeds {list(scenario.seeds)})"
     )
+    if args.dashboard is not None:
+        base = base.replace(monitor_port=args.dashboard or free_port(base.monitor_host))
+        host = "127.0.0.1" if base.monitor_host == "0.0.0.0" else base.monitor_host
+        url = f"http://{host}:{base.monitor_port}"
+        print(f"live dashboard: {url}/dashboard  metrics: {url}/metrics", flush=True)
     for seed in scenario.seeds:
         run_out = out / f"seed-{seed}" if len(scenario.seeds) > 1 else out
         cfg = base.replace(out_dir=str(run_out), min_nodes=clients, seed=seed)
@@ -149,4 +155,13 @@ def main(args) -> int:
             f"wrote {run_out / 'report.html'} ({', '.join(p.name for p in files)}) in "
             f"{time.perf_counter() - start:.0f} s"
         )
+        if args.dashboard is not None:
+            print(f"the dashboard closed with the run; `fedrl dashboard {run_out}` serves it again")
     return 0
+
+
+def free_port(host: str) -> int:
+    """A port free now, so the dashboard's address can be printed before the run starts."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -46,11 +46,11 @@ class CheckpointError(OSError):
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, keep: int = 3):
+    def __init__(self, directory: str | Path, keep: int = 3, on_saved: Callable[[int], None] | None = None):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         remove_leftovers(self.directory)
-        self.keep = keep
+        self.keep, self.on_saved = keep, on_saved  # on_saved(version) runs in the writer thread
         self._pending: tuple | None = None
         self._cond = threading.Condition()
         self._busy = False
@@ -92,6 +92,8 @@ class Checkpointer:
                 job, self._pending, self._busy = self._pending, None, True
             try:
                 self.write(*job)
+                if self.on_saved is not None:
+                    self.on_saved(job[0])
             except Exception as err:  # kept for the caller: the next save or flush raises it
                 with self._cond:
                     self._error = CheckpointError(

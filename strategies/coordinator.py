@@ -26,11 +26,15 @@ from fedrl.blocks import ALL_BLOCKS
 from fedrl.clock import Clock, RealClock
 from fedrl.credentials import ADMIN, load_or_create_secret, node_principal, read_secret, token_for
 from fedrl.lora import build_adapter_model
+from fedrl.monitor import MonitorServer
+from fedrl.node_files import write_json
 from fedrl.patch import PatchError, PatchLimits, apply_patch
 from fedrl.patch_chain import PatchPublisher
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import MESSAGE_TYPE, LearnerSettings, TrainInstruction, TrainReport
 from fedrl.rollout import greedy_error
+from fedrl.run_events import EventLog
+from fedrl.run_metrics import RunMetrics
 from fedrl.schema import SchemaError
 from fedrl.signing import load_or_create_signing_key, public_key_pem
 from fedrl.store_client import BlockingStoreClient, StoreError, put_signed_patches
@@ -55,6 +59,14 @@ class Dispatch:
     watchdog: float  # time.monotonic() after which the message is given up
     arrived: bool = False  # the Grid delivered the reply; the clock decides when it is handled
     expired: bool = False  # the round outlasted the deadline on the run's clock
+
+
+class Rejected(ValueError):
+    """An upload that is refused, with a short cause (a metrics label) beside the reason."""
+
+    def __init__(self, cause: str, reason: str):
+        super().__init__(reason)
+        self.cause = cause
 
 
 def upload_limits(tensors: list) -> PatchLimits:
@@ -115,9 +127,24 @@ class Coordinator:
         self.resources.callback(self.admin.close)
         # every base a delta may still be judged against survives a restart (max_staleness + 1)
         self.checkpointer = Checkpointer(
-            cfg.checkpoint_dir or self.out_dir / "checkpoints", keep=cfg.max_staleness + 1
+            cfg.checkpoint_dir or self.out_dir / "checkpoints",
+            keep=cfg.max_staleness + 1,
+            on_saved=lambda v: self.event("checkpoint", saved_version=v),
         )
         self.resources.callback(self.checkpointer.close)
+        # one record of the run (fedrl.run_events): the summary, events.jsonl, /metrics and the dashboard
+        resuming = cfg.resume and any(self.checkpointer.directory.glob("ckpt-*.json"))
+        self.log = EventLog(cfg.run_name or self.out_dir.name, self.out_dir / "events.jsonl", append=resuming)
+        self.resources.callback(self.log.close)
+        self.metrics = RunMetrics()
+        self.log.listeners.append(self.metrics.observe)
+        self.events, self.counts = self.log.events, self.log.counts
+        if cfg.monitor_port >= 0:
+            monitor = MonitorServer(self.log, self.metrics, cfg.monitor_host, cfg.monitor_port)
+            self.resources.enter_context(monitor)
+            urls = monitor.urls()
+            write_json(self.out_dir / "monitor.json", urls)  # where tests and scripts find a port-0 monitor
+            log.info("dashboard: %s  metrics: %s", urls["dashboard"], urls["metrics"])
         self.members = Membership()
         self.refs: list[dict] = []
         self.in_flight: dict[str, Dispatch] = {}
@@ -128,10 +155,8 @@ class Coordinator:
         self.rounds: dict[int, int] = {}  # node -> messages sent
         self.eval_cpu_s = 0.0  # held-out evaluations, kept apart from the coordinator's own cost
         self.loop: dict = {}
-        self.events: list[dict] = []  # timeline for the report
         self.evals: list[dict] = []
         self.clients: dict[int, dict] = {}
-        self.counts = {"replies": 0, "errors": 0, "accepted": 0, "rejected": 0, "lost": 0, "unknown": 0}
         self.replies_at_version = 0
         self.stop_reason = ""
         self.last_refresh = float("-inf")
@@ -148,18 +173,8 @@ class Coordinator:
     def now(self) -> float:
         return self.clock.now()
 
-    def event(self, kind: str, **fields) -> None:
-        self.events.append({"t": round(self.now(), 3), "kind": kind, "version": self.version, **fields})
-        if kind in (
-            "rejected",
-            "error",
-            "lost",
-            "unknown",
-            "left",
-            "leaving",
-            "joined",
-        ):  # expected under churn: logged quietly
-            log.info("%s: %s", kind, fields)
+    def event(self, kind: str, counted: tuple[str, ...] = (), **fields) -> None:
+        self.log.emit(kind, self.now(), self.version, counted, **fields)
 
     def evaluate(self) -> float:
         cpu = time.process_time()
@@ -167,6 +182,7 @@ class Coordinator:
         error = greedy_error(self.adapter.lm, self.task)
         self.eval_cpu_s += time.process_time() - cpu
         self.evals.append({"t": round(self.now(), 3), "version": self.version, "error": error})
+        self.event("eval", metric="greedy_error", value=error)
         return error
 
     def publish(self) -> None:
@@ -182,6 +198,14 @@ class Coordinator:
             or (r["base_version"] is not None and r["base_version"] >= oldest)
         ]
         self.admin.publish({"latest": self.version, "refs": self.refs, "public_key": self.public_key})
+
+    def store_usage(self) -> dict:
+        """What the patch store holds now (for the metrics); nothing if it cannot say."""
+        try:
+            health = self.admin.json("GET", "/health")
+            return {"store_objects": int(health["objects"]), "store_bytes": int(health["bytes"])}
+        except (StoreError, KeyError, TypeError, ValueError):
+            return {}
 
     def checkpoint(self) -> None:
         meta = {
@@ -318,31 +342,42 @@ class Coordinator:
             if not d.arrived and now > d.watchdog:
                 self.close_dispatch(msg_id)
                 self.clock.forget(msg_id)
-                self.counts["lost"] += 1
-                self.event("lost", node=d.node, reason="no reply within the watchdog")
+                self.event("lost", ("lost",), node=d.node, reason="no reply within the watchdog")
 
     def handle(self, msg_id: str, reply: Message) -> None:
         d = self.close_dispatch(msg_id)
         if d is None:  # given up already, or never ours
-            self.counts["unknown"] += 1
-            self.event("unknown", reason=f"reply to unknown message {msg_id[:12]}")
+            self.event("unknown", ("unknown",), reason=f"reply to unknown message {msg_id[:12]}")
             return
-        self.counts["replies"] += 1
         if d.expired:
-            self.counts["errors"] += 1
-            self.event("error", node=d.node, reason=f"deadline {self.cfg.deadline_s} s exceeded")
+            self.event(
+                "error",
+                ("replies", "errors"),
+                node=d.node,
+                reason=f"deadline {self.cfg.deadline_s} s exceeded",
+            )
             return
         if reply.has_error():
             if reply.error.code == ErrorCode.NODE_UNAVAILABLE:  # not again before the next refresh
                 self.unavailable.add(d.node)
-            self.counts["errors"] += 1
-            self.event("error", node=d.node, code=int(reply.error.code), reason=str(reply.error.reason)[:300])
+            self.event(
+                "error",
+                ("replies", "errors"),
+                node=d.node,
+                code=int(reply.error.code),
+                reason=str(reply.error.reason)[:300],
+            )
             return
         try:
             report = TrainReport.parse(reply.content["report"], "report")
         except (KeyError, TypeError, SchemaError) as err:
-            self.counts["rejected"] += 1
-            self.event("rejected", node=d.node, reason=f"malformed reply: {str(err)[:240]}")
+            self.event(
+                "rejected",
+                ("replies", "rejected"),
+                node=d.node,
+                cause="malformed",
+                reason=f"malformed reply: {str(err)[:240]}",
+            )
             return
         if d.node not in self.members.present:
             self.event("late", node=d.node, reason="reply from a node that has left; its work still counts")
@@ -400,7 +435,9 @@ class Coordinator:
         )
         self.event(
             "reply",
+            ("replies",),
             node=node,
+            client=c["client_id"],
             reward=r.reward,
             steps=r.steps,
             assigned_steps=d.steps,
@@ -409,6 +446,10 @@ class Coordinator:
             bytes_up=r.bytes_up,
             bytes_down=r.bytes_down,
             full_sync_bytes=r.full_sync_bytes,
+            duration_s=r.duration_s,
+            compute_s=r.compute_s,
+            comm_s=r.comm_s,
+            overlap_s=r.overlap_s,
         )
 
     def ingest(self, node: int, r: TrainReport) -> None:
@@ -416,18 +457,20 @@ class Coordinator:
         try:
             staleness = self.version - r.upload_base_version
             if not 0 <= staleness <= self.agg.max_staleness:  # cheap checks before any download
-                raise ValueError(f"staleness {staleness} is outside [0, {self.agg.max_staleness}]")
+                raise Rejected("staleness", f"staleness {staleness} is outside [0, {self.agg.max_staleness}]")
             if not ALL_BLOCKS <= r.upload_block < self.cfg.num_blocks:
-                raise ValueError(f"upload block {r.upload_block} does not exist")
+                raise Rejected("block", f"upload block {r.upload_block} does not exist")
             if (r.upload_block == ALL_BLOCKS) != (self.cfg.mode == "fedavg-lora"):
                 kind = "whole-adapter upload" if r.upload_block == ALL_BLOCKS else "block upload"
-                raise ValueError(f"a {kind} in {self.cfg.mode} mode")
+                raise Rejected("block", f"a {kind} in {self.cfg.mode} mode")
             meta = self.admin.meta(r.upload_key)
             if node_principal(node) not in meta["uploaders"]:
-                raise ValueError(f"object was uploaded by {meta['uploaders']}, not by node {node}")
+                raise Rejected("uploader", f"object was uploaded by {meta['uploaders']}, not by node {node}")
             base = self.publisher.state(r.upload_base_version)
             if base is None:
-                raise ValueError(f"base version {r.upload_base_version} is no longer retained (too stale)")
+                raise Rejected(
+                    "staleness", f"base version {r.upload_base_version} is no longer retained (too stale)"
+                )
             names = (
                 list(self.global_state)
                 if r.upload_block == ALL_BLOCKS
@@ -435,36 +478,38 @@ class Coordinator:
             )
             limits = upload_limits([base[n] for n in names])
             if meta["size"] > limits.max_patch_bytes:  # refused before the download
-                raise ValueError(f"upload of {meta['size']} bytes, more than the block can need")
+                raise Rejected("size", f"upload of {meta['size']} bytes, more than the block can need")
             blob = self.admin.get(r.upload_key, max_bytes=limits.max_patch_bytes)
             new = apply_patch(
                 None if r.upload_block == ALL_BLOCKS else {n: base[n] for n in names}, blob, limits=limits
             )
             if set(new) != set(names):
-                raise ValueError("the upload does not carry exactly the block's tensors")
+                raise Rejected("shape", "the upload does not carry exactly the block's tensors")
             odd = [n for n in names if new[n].shape != base[n].shape or new[n].dtype != base[n].dtype]
             if odd:  # an anchor upload decides its own shapes: a wrong one would crash or broadcast
                 n = odd[0]
-                raise ValueError(
+                raise Rejected(
+                    "shape",
                     f"{len(odd)} tensor(s) differ in shape or dtype from the global ones, e.g. {n}: "
-                    f"{new[n].dtype}{tuple(new[n].shape)} for {base[n].dtype}{tuple(base[n].shape)}"
+                    f"{new[n].dtype}{tuple(new[n].shape)} for {base[n].dtype}{tuple(base[n].shape)}",
                 )
             delta = {n: new[n].float() - base[n].float() for n in names}
             update = Update(node, r.upload_block, delta, r.upload_samples, staleness)
             reason = rejection_reason(update, self.agg)
             if reason:
-                raise ValueError(reason)
+                raise Rejected("update", reason)
         except (StoreError, PatchError, ValueError) as err:
-            self.counts["rejected"] += 1
-            self.event("rejected", node=node, reason=str(err)[:300])
+            cause = getattr(err, "cause", "other")
+            if isinstance(err, (StoreError, PatchError)):
+                cause = "store" if isinstance(err, StoreError) else "patch"
+            self.event("rejected", ("rejected",), node=node, cause=cause, reason=str(err)[:300])
             return
         finally:
             try:
                 self.admin.delete(r.upload_key, node_principal(node))
             except StoreError:
                 pass
-        self.counts["accepted"] += 1
-        self.event("accepted", node=node, block=r.upload_block, staleness=staleness)
+        self.event("accepted", ("accepted",), node=node, block=r.upload_block, staleness=staleness)
         self.buffer.append(update)
 
     def aggregate(self) -> None:
@@ -487,9 +532,9 @@ class Coordinator:
             self.scheduler.record_update(block, self.version + 1)
         self.global_state, self.version = new_state, self.version + 1
         self.replies_at_version = self.counts["replies"]
-        self.event("version", updates=len(self.buffer), blocks=sorted(by_block))
-        self.buffer = []
+        updates, self.buffer = len(self.buffer), []
         self.publish()
+        self.event("version", updates=updates, blocks=sorted(by_block), **self.store_usage())
         self.checkpoint()
         if self.version % self.cfg.eval_every == 0:
             self.evaluate()
@@ -506,8 +551,7 @@ class Coordinator:
             msg_id = reply.metadata.reply_to_message_id
             d = self.in_flight.get(msg_id)
             if d is None or d.arrived:
-                self.counts["unknown"] += 1
-                self.event("unknown", reason=f"reply to unknown message {str(msg_id)[:12]}")
+                self.event("unknown", ("unknown",), reason=f"reply to unknown message {str(msg_id)[:12]}")
                 continue
             d.arrived = True
             duration = self.cfg.deadline_s  # an error reply is noticed at the deadline
@@ -600,6 +644,7 @@ class Coordinator:
         }
         final = self.evaluate()
         summary = self.finish(initial, final)
+        self.event("finished", initial_eval=initial, final_eval=final, stop_reason=self.stop_reason)
         if failure:  # results are saved; the caller still learns that the run failed
             raise failure
         return summary

@@ -54,6 +54,9 @@ class RunConfig(Schema):
     store_url: str = ""  # empty: run the patch store inside the ServerApp
     store_secret_file: str = ""  # deployments: the secret shared with the standalone store
     store_ca_file: str = ""  # deployments: the CA that signed the store's TLS certificate (https store_url)
+    run_name: str = ""  # in every event and log line; default: the name of out_dir
+    monitor_port: int = -1  # serve /metrics and /dashboard on this port (0: any free one); -1: off
+    monitor_host: str = "127.0.0.1"  # 0.0.0.0 to let Prometheus or a browser on another host in
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -63,6 +66,10 @@ class RunConfig(Schema):
             raise ValueError("versions, buffer_size, min_nodes, eval_every and num_blocks must be >= 1")
         if min(self.max_time_s, self.data_shards, self.clip_norm, self.target_error) < 0:
             raise ValueError("max_time_s, data_shards, clip_norm and target_error must be >= 0")
+        if not -1 <= self.monitor_port <= 65535:
+            raise ValueError(
+                f"monitor_port must be -1 (off), 0 (any free port) or a port, got {self.monitor_port}"
+            )
         if self.deadline_s <= 0 or self.watchdog_s <= 0 or self.node_wait_s <= 0:
             raise ValueError("deadline_s, watchdog_s and node_wait_s must be > 0")
         if not 1 <= self.min_steps <= self.max_steps:
