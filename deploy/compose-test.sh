@@ -3,7 +3,8 @@
 # Debian base made with debootstrap (no image registry is reachable here), makes certificates,
 # brings up docker-compose.yml with deploy/compose.host.yml (every service on 127.0.0.1 with
 # its own port: container bridge networks use addresses that are off-limits here), scales the
-# SuperNodes to NODES, waits for the one-shot submitter, checks the run's summary, tears down.
+# SuperNodes to NODES, waits for the one-shot submitter, checks the run's summary and what the
+# optional Prometheus (profile "monitoring") scraped from the coordinator and the store, tears down.
 # Needs root (Docker). Elsewhere, users run plain `docker compose up` with the default base.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,22 +42,25 @@ say "image fedrl:compose-test"
 cp /opt/wheels/torch-2.13.0*.whl .wheels/ 2>/dev/null || true
 docker build --network host -t fedrl:compose-test \
   --build-arg BASE_IMAGE="$BASE" --build-arg PIP_CONSTRAINTS=constraints.txt . | tail -n 3
+docker build --network host -t fedrl-prometheus:compose-test -f deploy/prometheus.Dockerfile \
+  --build-arg BASE_IMAGE="$BASE" . | tail -n 1
 
 WORK=$(mktemp -d)
 export FEDRL_TAG=compose-test FEDRL_CERTS="$WORK/certs" NODES RUN_CONFIG RUN_TIMEOUT=900
 export BIND_HOST=127.0.0.1 SUPERLINK_ADDR=127.0.0.1 STORE_ADDR=127.0.0.1 COORDINATOR_ADDR=127.0.0.1
-SUPERLINK_PORT=$(free_port) STORE_PORT=$(free_port) MONITOR_PORT=$(free_port)
-export SUPERLINK_PORT STORE_PORT MONITOR_PORT SUPERLINK_PUBLISH=$SUPERLINK_PORT STORE_PUBLISH=$STORE_PORT
+SUPERLINK_PORT=$(free_port) STORE_PORT=$(free_port) MONITOR_PORT=$(free_port) PROMETHEUS_PORT=$(free_port)
+export SUPERLINK_PORT STORE_PORT MONITOR_PORT PROMETHEUS_PORT SCRAPE_INTERVAL=1s
+export SUPERLINK_PUBLISH=$SUPERLINK_PORT STORE_PUBLISH=$STORE_PORT
 # docker-compose 1.29 refuses published ports on host-networked services and cannot remove a
 # key in an override file: render the merged config and drop `ports` where the network is the host's
-docker-compose -p "$PROJECT" -f docker-compose.yml -f deploy/compose.host.yml config \
+docker-compose -p "$PROJECT" -f docker-compose.yml -f deploy/compose.host.yml --profile monitoring config \
   | docker run --rm -i fedrl:compose-test python3 -c 'import sys, yaml
 c = yaml.safe_load(sys.stdin)
 for s in c["services"].values():
     if s.get("network_mode") == "host":
         s.pop("ports", None)
 yaml.safe_dump(c, sys.stdout)' > "$WORK/compose.yml"
-compose() { docker-compose -p "$PROJECT" -f "$WORK/compose.yml" "$@"; }
+compose() { docker-compose -p "$PROJECT" -f "$WORK/compose.yml" --profile monitoring "$@"; }
 cleanup() {
   say "teardown"
   compose down -v --remove-orphans 2>&1 | tail -n 2 || true
@@ -69,7 +73,7 @@ docker run --rm --network host -v "$WORK:/out" fedrl:compose-test \
   fedrl certs --dir /out/certs --hosts 127.0.0.1 localhost superlink patch-store >/dev/null
 ls "$WORK/certs"
 
-say "up: patch store :$STORE_PORT, SuperLink :$SUPERLINK_PORT, $NODES SuperNodes, submitter"
+say "up: patch store :$STORE_PORT, SuperLink :$SUPERLINK_PORT (metrics :$MONITOR_PORT), $NODES SuperNodes, submitter, Prometheus :$PROMETHEUS_PORT"
 compose up -d --no-build --scale supernode="$NODES" 2>&1 | grep -v "^Creating volume" || true
 compose ps
 
@@ -81,13 +85,22 @@ compose logs --no-color patch-store 2>&1 | grep -c "refused" | sed 's/^/store re
 compose ps
 
 SUMMARY=$(docker logs "$SUBMIT" 2>&1 | grep '"final_eval"' | tail -n 1)
-python3 - "$CODE" "$SUMMARY" "$NODES" <<'EOF'
-import json, sys
-code, line, nodes = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+python3 - "$CODE" "$SUMMARY" "$NODES" "$PROMETHEUS_PORT" <<'EOF'
+import json, sys, urllib.parse, urllib.request
+code, line, nodes, prometheus = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 assert code == 0, f"the submitter exited with {code}"
 s = json.loads(line)
 assert s["versions"] >= 1 and s["counts"]["accepted"] >= nodes, s
 assert s["final_eval"] < s["initial_eval"], f"held-out error did not fall: {s['initial_eval']} -> {s['final_eval']}"
 print(f"compose run OK: held-out error {s['initial_eval']:.3f} -> {s['final_eval']:.3f} in {s['versions']} versions, "
       f"{s['counts']['accepted']} accepted updates, {s['bytes_up'] + s['bytes_down']} bytes moved")
+
+def query(q):  # what Prometheus kept of the run (the coordinator's monitor closed with it)
+    url = f"http://127.0.0.1:{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+    return {r["metric"].get("job", ""): float(r["value"][1]) for r in json.load(urllib.request.urlopen(url))["data"]["result"]}
+version = query("max_over_time(fedrl_version[30m])").get("fedrl-coordinator", 0)
+accepted = query("max_over_time(fedrl_accepted_total[30m])").get("fedrl-coordinator", 0)
+store = query("sum by (job) (max_over_time(fedrl_store_requests_total[30m]))").get("fedrl-patch-store", 0)
+assert version >= s["versions"] - 1 and accepted >= nodes and store > 0, (version, accepted, store)
+print(f"Prometheus scraped the coordinator (version {version:g}, {accepted:g} accepted) and the store ({store:g} requests)")
 EOF
