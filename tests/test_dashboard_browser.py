@@ -79,6 +79,10 @@ def test_the_dashboard_shows_a_rising_version_and_the_final_metric(tmp_path):
             final = page.text_content("#final")
             status = page.text_content("#status")
             rows = page.locator("#clients tbody tr").count()
+            rounds = sum(
+                int(td) for td in page.locator("#clients tbody tr td:nth-child(4)").all_text_contents()
+            )
+            bars = page.evaluate("[...S.clients.values()].reduce((n, c) => n + c.rounds.length, 0)")
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             browser.close()
     finally:
@@ -89,4 +93,5 @@ def test_the_dashboard_shows_a_rising_version_and_the_final_metric(tmp_path):
     assert len(set(seen)) >= 3  # the page followed the run version by version, without a reload
     assert float(final) == pytest.approx(summary["final_eval"], abs=5e-4)
     assert status.startswith("finished") and rows == len(summary["clients"]) == 3
+    assert rounds == bars == summary["rounds"]  # every reply in the table and on the timeline
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
