@@ -15,7 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from fedrl.patch import PatchError, apply_patch, encode_patch, state_hash
+from fedrl.patch import (
+    PatchError,
+    PatchHeader,
+    TargetMismatch,
+    apply_patch,
+    encode_patch,
+    read_header,
+    state_hash,
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,20 @@ class SyncFailed(RuntimeError):
     pass
 
 
+def _label(base: int | None, target: int) -> str:
+    return f"anchor v{target}" if base is None else f"v{base}->v{target}"
+
+
+def check_labels(header: PatchHeader, ref: PatchRef) -> None:
+    """A genuine, signed patch can still be the wrong one: a catalog that lists the v0 anchor
+    as v9 would roll a client back. The versions in the (signed) header must be the ref's."""
+    if (header.base_version, header.target_version) != (ref.base_version, ref.target_version):
+        raise TargetMismatch(
+            f"rollback refused: the catalog lists {_label(ref.base_version, ref.target_version)}, "
+            f"the patch's own header says {_label(header.base_version, header.target_version)}"
+        )
+
+
 def synchronize(
     held: Mapping[str, torch.Tensor] | None,
     held_version: int | None,
@@ -89,7 +111,9 @@ def synchronize(
         state, known_hash = (held, held_hash) if plan[0].base_version is not None else (None, None)
         try:
             for ref in plan:
-                state = apply_patch(state, fetch(ref), base_hash=known_hash)
+                data = fetch(ref)
+                check_labels(read_header(data), ref)
+                state = apply_patch(state, data, base_hash=known_hash)
                 known_hash = None
             return state, plan
         except (PatchError, OSError) as err:

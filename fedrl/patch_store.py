@@ -16,10 +16,13 @@
 
 Credentials: `Authorization: Bearer <token>` with `X-Principal: node-<id>`, `admin`, or
 `invite:<run>` (what `fedrl invite` hands to volunteers: it may enroll a key and probe, nothing else).
+Every read of objects and the catalog needs one too: a node reads the coordinator's objects and
+its own uploads, and only the coordinator reads an object's uploaders.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -54,6 +57,10 @@ class StoreState:
     max_object_bytes: int = 256 << 20
     max_total_bytes: int = 4 << 30
     max_node_bytes: int = 512 << 20  # what one node's uploads may hold at once
+    # bodies being received are held too: their sum is bounded, and a body that stops coming is dropped
+    max_receiving_bytes: int = 512 << 20
+    upload_idle_s: float = 60.0
+    receiving: int = 0  # bytes of bodies being received now (the server's one event loop updates it)
     objects: dict[str, StoredObject] = field(default_factory=dict)
     catalog: dict = field(default_factory=lambda: {"latest": None, "refs": [], "public_key": None})
     enrollments: dict[str, dict] = field(default_factory=dict)  # fingerprint -> request
@@ -129,6 +136,35 @@ async def log_refusals(request: web.Request, handler):
         raise
 
 
+async def receive_body(request: web.Request, state: StoreState) -> bytes:
+    """The body of an upload, with memory bounded: at most `max_object_bytes` for one body and
+    `max_receiving_bytes` for all bodies in flight (503, retry later), and a body that sends
+    nothing for `upload_idle_s` is dropped (408) instead of holding its handler open."""
+    chunks, size = [], 0
+    try:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(request.content.readany(), state.upload_idle_s)
+            except TimeoutError:
+                raise web.HTTPRequestTimeout(
+                    text=f"upload sent nothing for {state.upload_idle_s:g} s after {size} bytes"
+                ) from None
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > state.max_object_bytes:
+                raise web.HTTPRequestEntityTooLarge(max_size=state.max_object_bytes, actual_size=size)
+            if state.receiving + len(chunk) > state.max_receiving_bytes:
+                raise web.HTTPServiceUnavailable(
+                    text="the store is receiving too many uploads at once; retry shortly",
+                    headers={"Retry-After": "5"},
+                )
+            state.receiving += len(chunk)
+            chunks.append(chunk)
+    finally:
+        state.receiving -= sum(len(c) for c in chunks)
+
+
 def make_app(state: StoreState) -> web.Application:
     routes = web.RouteTableDef()
     metrics = StoreMetrics(lambda: len(state.objects), lambda: state.total_bytes)
@@ -149,7 +185,7 @@ def make_app(state: StoreState) -> web.Application:
             raise web.HTTPRequestEntityTooLarge(
                 max_size=state.max_object_bytes, actual_size=request.content_length
             )
-        body = await request.read()  # bounded by client_max_size
+        body = await receive_body(request, state)
         if hashlib.sha256(body).hexdigest() != digest:
             raise web.HTTPBadRequest(text="body does not hash to the object name")
         if digest in state.objects:
@@ -163,13 +199,19 @@ def make_app(state: StoreState) -> web.Application:
 
     @routes.get("/objects/{digest}")
     async def get(request):
+        principal = _principal(request, state)
         obj = state.objects.get(_digest(request))
         if obj is None:
             raise web.HTTPNotFound(text="no such object")
+        # a node reads what the coordinator published and its own uploads, never another node's
+        # (it could otherwise upload the same bytes and claim that node's delta)
+        if principal != ADMIN and ADMIN not in obj.uploaders and principal not in obj.uploaders:
+            raise web.HTTPForbidden(text=f"this object was uploaded by another node, not by {principal}")
         return web.Response(body=obj.data, content_type="application/octet-stream")
 
     @routes.get("/objects/{digest}/meta")
     async def meta(request):
+        _principal(request, state, admin=True)
         obj = state.objects.get(_digest(request))
         if obj is None:
             raise web.HTTPNotFound(text="no such object")
@@ -259,6 +301,7 @@ def make_app(state: StoreState) -> web.Application:
 
     @routes.get("/catalog")
     async def get_catalog(request):
+        _principal(request, state)
         return web.json_response(state.catalog)
 
     @routes.post("/catalog")

@@ -118,3 +118,17 @@ def test_cheapest_path_prefers_fewer_bytes():
     assert [r.key for r in cheapest_path(refs, 0, 2)] == ["c"]
     assert [[r.key for r in p] for p in sync_plans(refs, 0, 2)] == [["c"], ["d"]]
     assert cheapest_path(refs, 5, 2) is None
+
+
+def test_a_catalog_that_relabels_an_old_anchor_is_a_rollback_and_refused():
+    """The store (or whoever serves the catalog) lists the valid v0 anchor as v9: the patch is
+    genuine, so only its own header's versions can tell that it is not what was asked for."""
+    pub, store, hist = publish_all(9)
+    v0 = next(r for r in store.refs if r.base_version is None and r.target_version == 0)
+    liar = [PatchRef(None, 9, v0.size, v0.key)]
+    with pytest.raises(SyncFailed, match="rollback"):
+        synchronize(None, None, 9, liar, store.fetch)
+    delta = next(r for r in store.refs if (r.base_version, r.target_version) == (5, 6))
+    relabelled = [PatchRef(5, 9, delta.size, delta.key)]  # a real delta 5->6 offered as 5->9
+    with pytest.raises(SyncFailed, match="rollback"):
+        synchronize(hist[5], 5, 9, relabelled, store.fetch)

@@ -27,11 +27,11 @@ def test_put_get_and_uploader_binding(store):
     digest = node.put(data)
     assert digest == hashlib.sha256(data).hexdigest()
     assert node.get(digest) == data
-    assert node.meta(digest) == {"size": len(data), "uploaders": ["node-7"]}
+    admin = client(server, secret, ADMIN)
+    assert admin.meta(digest) == {"size": len(data), "uploaders": ["node-7"]}
     other = client(server, secret, node_principal(8))
     assert other.put(data) == digest  # identical bytes from another node: bound to both
-    assert node.meta(digest)["uploaders"] == ["node-7", "node-8"]
-    admin = client(server, secret, ADMIN)
+    assert admin.meta(digest)["uploaders"] == ["node-7", "node-8"]
     admin.delete(digest, "node-7")
     assert other.get(digest) == data  # node-8's upload is still there
     admin.delete(digest, "node-8")
@@ -213,3 +213,65 @@ def test_a_node_cannot_fill_the_store_for_everyone():
         finally:
             for c in (hog, other, admin):
                 c.close()
+
+
+def test_a_node_reads_only_its_own_uploads_and_the_coordinators_objects(store):
+    """Free-riding: node-2 used to GET node-1's upload (reads needed no credential) and PUT the
+    same bytes, so the store listed it as an uploader of node-1's delta."""
+    import aiohttp
+
+    server, secret = store
+    honest, rider, admin = (client(server, secret, p) for p in (node_principal(1), node_principal(2), ADMIN))
+    try:
+        delta = honest.put(b"node-1's delta" * 100)
+        with pytest.raises(StoreError, match="403"):
+            rider.get(delta)
+        with pytest.raises(StoreError, match="403"):
+            rider.meta(delta)  # who uploaded what is the coordinator's business
+        assert honest.get(delta) == b"node-1's delta" * 100 and admin.get(delta)
+        published = admin.put(b"a global patch" * 100)
+        admin.publish({"latest": 1, "refs": [{"key": published, "target_version": 1}], "public_key": None})
+        assert rider.get(published) == b"a global patch" * 100 and rider.catalog()["latest"] == 1
+    finally:
+        for c in (honest, rider, admin):
+            c.close()
+
+    async def anonymous(path):
+        async with aiohttp.ClientSession() as session, session.get(server.url + path) as resp:
+            return resp.status
+
+    for path in (f"/objects/{delta}", f"/objects/{published}", f"/objects/{delta}/meta", "/catalog"):
+        assert asyncio.run(anonymous(path)) == 401, path
+
+
+def test_a_stalled_body_is_dropped_and_bodies_in_flight_are_bounded():
+    """Uploads used to be read whole with no read timeout: held bodies grew the store without
+    bound, and a body that stopped coming kept its handler open."""
+    import socket
+    import time
+
+    secret = new_secret()
+    state = StoreState(secret, max_object_bytes=1 << 20, max_receiving_bytes=1 << 20, upload_idle_s=5.0)
+    with PatchStoreServer(state) as server:
+        token = token_for(secret, node_principal(1))
+        stalled = socket.create_connection((server.host, server.port), timeout=30)
+        stalled.sendall(
+            f"PUT /objects/{'0' * 64} HTTP/1.1\r\nHost: store\r\nAuthorization: Bearer {token}\r\n"
+            f"X-Principal: node-1\r\nContent-Length: 900000\r\n\r\n".encode()
+            + b"x" * 800_000  # and then nothing
+        )
+        for _ in range(200):
+            if state.receiving >= 800_000:
+                break
+            time.sleep(0.01)
+        assert state.receiving == 800_000
+        node = client(server, secret, node_principal(2))
+        body = b"y" * 300_000
+        with pytest.raises(StoreError, match="503"):
+            node.put(body)  # past the bound on bodies in flight: refused at once, retry later
+        reply = stalled.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408") and b"sent nothing for 5 s after 800000 bytes" in reply
+        stalled.close()
+        assert state.receiving == 0
+        assert node.put(body) == hashlib.sha256(body).hexdigest()
+        node.close()
