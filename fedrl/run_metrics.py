@@ -47,6 +47,7 @@ class RunMetrics:
             ["client"],
             registry=r,
         )
+        self.clipped = Counter("fedrl_clipped_updates", "Updates scaled down to the norm bound", registry=r)
         self.nodes = Gauge("fedrl_nodes_present", "Nodes taking part now", registry=r)
         self.store_objects = Gauge("fedrl_store_objects", "Objects in the patch store", registry=r)
         self.store_bytes = Gauge("fedrl_store_bytes", "Bytes held by the patch store", registry=r)
@@ -83,9 +84,11 @@ class RunMetrics:
             self.nodes.inc()
         elif kind == "left":
             self.nodes.dec()
-        elif kind == "version" and "store_objects" in e:
-            self.store_objects.set(e["store_objects"])
-            self.store_bytes.set(e["store_bytes"])
+        elif kind == "version":
+            self.clipped.inc(_amount(e.get("clipped", 0)))
+            if "store_objects" in e:
+                self.store_objects.set(e["store_objects"])
+                self.store_bytes.set(e["store_bytes"])
         elif kind == "checkpoint":
             self.checkpoint_version.set(e["saved_version"])
             self.checkpoint_wall = e["wall"]

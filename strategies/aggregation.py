@@ -1,12 +1,17 @@
 """Per-block aggregation of client deltas: staleness-weighted mean, robust options, rejection.
 
 global[b] += sum_i a_i * delta_i / sum_i a_i with a_i = n_i * (1 + tau_i) ** -alpha.
-Pure functions over dicts of tensors; the coordinator owns the state.
+Each delta is first clipped to a norm bound: a fixed `clip_norm`, and/or `clip_multiple` times
+the median norm of the block's recent updates and the ones at hand (adaptive, so it needs no
+tuning to the model's scale; one client scaling its update ×100 moves the result by at most
+its weight times that bound). Pure functions over dicts of tensors; the coordinator owns the
+history of norms.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +22,7 @@ class AggregationConfig:
     alpha: float = 0.5  # staleness discount exponent
     max_staleness: int = 4  # deltas older than this many versions are rejected (AReaL's eta)
     clip_norm: float | None = None  # per-update L2 norm clip
+    clip_multiple: float = 0.0  # adaptive clip: this many times the median recent norm; 0: off
     robust: str = "mean"  # mean | trimmed-mean | median (coordinate-wise)
     trim_fraction: float = 0.1
 
@@ -25,6 +31,8 @@ class AggregationConfig:
             raise ValueError(f"robust must be mean, trimmed-mean or median, got {self.robust!r}")
         if self.alpha < 0 or self.max_staleness < 0 or not 0 <= self.trim_fraction < 0.5:
             raise ValueError("alpha and max_staleness must be >= 0, trim_fraction in [0, 0.5)")
+        if not (self.clip_multiple == 0 or self.clip_multiple >= 1):
+            raise ValueError(f"clip_multiple must be 0 (off) or >= 1, got {self.clip_multiple}")
 
 
 @dataclass
@@ -55,20 +63,41 @@ def rejection_reason(update: Update, config: AggregationConfig) -> str | None:
     return None
 
 
+def update_norm(delta: Mapping[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in delta.values())))
+
+
 def clip_delta(delta: Mapping[str, torch.Tensor], max_norm: float) -> dict[str, torch.Tensor]:
-    norm = torch.sqrt(sum((t.double() ** 2).sum() for t in delta.values()))
-    scale = min(1.0, max_norm / float(norm)) if norm > 0 else 1.0
-    return {k: t * scale for k, t in delta.items()}
+    norm = update_norm(delta)
+    if norm <= max_norm:
+        return dict(delta)  # untouched, bit for bit
+    return {k: t * (max_norm / norm) for k, t in delta.items()}
 
 
-def aggregate_block(updates: list[Update], config: AggregationConfig) -> dict[str, torch.Tensor]:
-    """The combined delta for one block (every update must name the same tensors)."""
+def norm_bound(
+    updates: list[Update], config: AggregationConfig, recent_norms: Sequence[float] = ()
+) -> float | None:
+    """The largest norm an update may bring: the fixed clip and the adaptive one, whichever is
+    smaller; None when neither is on."""
+    bounds = [config.clip_norm] if config.clip_norm else []
+    if config.clip_multiple:
+        norms = [*recent_norms, *(update_norm(u.delta) for u in updates)]
+        bounds.append(config.clip_multiple * statistics.median(norms))
+    return min(bounds) if bounds else None
+
+
+def aggregate_block(
+    updates: list[Update], config: AggregationConfig, recent_norms: Sequence[float] = ()
+) -> dict[str, torch.Tensor]:
+    """The combined delta for one block (every update must name the same tensors);
+    `recent_norms` are the (clipped) norms of the block's recent updates."""
     if not updates:
         raise ValueError("no updates to aggregate")
     names = set(updates[0].delta)
     if any(set(u.delta) != names for u in updates):
         raise ValueError("updates of one block name different tensors")
-    deltas = [clip_delta(u.delta, config.clip_norm) if config.clip_norm else u.delta for u in updates]
+    bound = norm_bound(updates, config, recent_norms)
+    deltas = [u.delta if bound is None else clip_delta(u.delta, bound) for u in updates]
     if config.robust == "mean":
         weights = torch.tensor([u.num_samples * staleness_weight(u.staleness, config.alpha) for u in updates])
         weights = weights / weights.sum()

@@ -12,6 +12,7 @@ a stable client id (strategies.membership), and every message has a wall-clock w
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
@@ -38,7 +39,14 @@ from fedrl.run_metrics import RunMetrics
 from fedrl.schema import SchemaError
 from fedrl.signing import load_or_create_signing_key, public_key_pem
 from fedrl.store_client import BlockingStoreClient, StoreError, put_signed_patches
-from fedrl.strategies.aggregation import AggregationConfig, Update, aggregate_block, rejection_reason
+from fedrl.strategies.aggregation import (
+    AggregationConfig,
+    Update,
+    aggregate_block,
+    norm_bound,
+    rejection_reason,
+    update_norm,
+)
 from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_checkpoints
 from fedrl.strategies.membership import Membership
 from fedrl.strategies.run_config import RunConfig
@@ -46,6 +54,7 @@ from fedrl.strategies.scheduler import BlockScheduler
 from fedrl.tasks import get_task
 
 log = logging.getLogger("fedrl.coordinator")
+RECENT_NORMS = 32  # the adaptive clip's memory, per block
 
 
 @dataclass
@@ -107,7 +116,10 @@ class Coordinator:
         self.scheduler = BlockScheduler(
             cfg.num_blocks, cfg.schedule, cfg.base_steps, cfg.min_steps, cfg.max_steps, cfg.seed
         )
-        self.agg = AggregationConfig(cfg.alpha, cfg.max_staleness, cfg.clip_norm or None, cfg.robust)
+        self.agg = AggregationConfig(
+            cfg.alpha, cfg.max_staleness, cfg.clip_norm or None, cfg.clip_multiple, cfg.robust
+        )
+        self.recent_norms: dict[int, collections.deque] = {}  # block -> clipped norms of its last updates
         anchor_every = 1 if cfg.mode == "fedavg-lora" else cfg.anchor_every  # fedavg sends full adapters
         self.publisher = PatchPublisher(anchor_every=anchor_every, keep_recent=cfg.max_staleness + 2)
         # keys live in the state dir and survive restarts: clients pin the coordinator's public key
@@ -214,6 +226,7 @@ class Coordinator:
             "counts": self.counts,
             "in_flight": len(self.in_flight),
             "evals": self.evals,
+            "recent_norms": {str(b): list(q) for b, q in self.recent_norms.items()},
             "config": self.cfg.model_dump(),
         }
         self.checkpointer.save_async(self.version, self.global_state, meta)
@@ -237,6 +250,8 @@ class Coordinator:
         self.scheduler.load_state_dict(meta["scheduler"])
         self.members.load_state_dict(meta.get("members", {"ids": []}))
         self.evals = meta.get("evals", [])
+        for block, norms in meta.get("recent_norms", {}).items():
+            self.recent_norms[int(block)] = collections.deque(norms, maxlen=RECENT_NORMS)
         self.event("resumed", from_version=version)
         return True
 
@@ -458,6 +473,11 @@ class Coordinator:
             staleness = self.version - r.upload_base_version
             if not 0 <= staleness <= self.agg.max_staleness:  # cheap checks before any download
                 raise Rejected("staleness", f"staleness {staleness} is outside [0, {self.agg.max_staleness}]")
+            most = self.cfg.max_steps * self.cfg.prompts * self.cfg.samples
+            if r.upload_samples > most:  # the weighted mean must not belong to one boastful node
+                raise Rejected(
+                    "samples", f"{r.upload_samples} samples claimed; a round yields at most {most}"
+                )
             if not ALL_BLOCKS <= r.upload_block < self.cfg.num_blocks:
                 raise Rejected("block", f"upload block {r.upload_block} does not exist")
             if (r.upload_block == ALL_BLOCKS) != (self.cfg.mode == "fedavg-lora"):
@@ -526,15 +546,21 @@ class Coordinator:
             else:
                 by_block.setdefault(u.block, []).append(u)
         new_state = dict(self.global_state)  # tensors are replaced, never mutated (lazy checkpoint copies)
+        clipped = 0
         for block, updates in by_block.items():
-            for name, delta in aggregate_block(updates, self.agg).items():
+            recent = self.recent_norms.setdefault(block, collections.deque(maxlen=RECENT_NORMS))
+            bound = norm_bound(updates, self.agg, recent)
+            for name, delta in aggregate_block(updates, self.agg, recent).items():
                 new_state[name] = self.global_state[name] + delta
+            norms = [update_norm(u.delta) for u in updates]
+            clipped += sum(bound is not None and n > bound for n in norms)
+            recent.extend(min(n, bound or float("inf")) for n in norms)
             self.scheduler.record_update(block, self.version + 1)
         self.global_state, self.version = new_state, self.version + 1
         self.replies_at_version = self.counts["replies"]
         updates, self.buffer = len(self.buffer), []
         self.publish()
-        self.event("version", updates=updates, blocks=sorted(by_block), **self.store_usage())
+        self.event("version", updates=updates, clipped=clipped, blocks=sorted(by_block), **self.store_usage())
         self.checkpoint()
         if self.version % self.cfg.eval_every == 0:
             self.evaluate()

@@ -10,8 +10,10 @@ from fedrl.strategies.aggregation import (
     Update,
     aggregate_block,
     clip_delta,
+    norm_bound,
     rejection_reason,
     staleness_weight,
+    update_norm,
 )
 
 
@@ -62,3 +64,46 @@ def test_rejections():
     assert rejection_reason(upd(1.0, tau=2), cfg) is None
     with pytest.raises(ValueError):
         AggregationConfig(robust="krum-ish")
+
+
+def honest_and_attackers(scale, n_honest=8, n_attack=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    honest = [Update(i, 0, {"w": 0.01 * torch.randn(64, generator=g) + 0.01}, 16, 0) for i in range(n_honest)]
+    mean = sum(u.delta["w"] for u in honest) / n_honest
+    attackers = [Update(100 + i, 0, {"w": scale * mean}, 16, 0) for i in range(n_attack)]
+    return honest, attackers, mean
+
+
+@pytest.mark.parametrize("scale", [100.0, -100.0])
+def test_the_adaptive_clip_bounds_20_percent_scaled_or_flipped_attackers(scale):
+    """With the plain mean, 20% of clients sending x100 (or sign-flipped x100) updates put the
+    result ~20 honest-norms away. Clipped, the attackers move it by at most their weight (0.2)
+    times the bound (3x the median norm): bounded, not neutralized (a flipped x3 still pulls)."""
+    honest, attackers, mean = honest_and_attackers(scale)
+    cfg = AggregationConfig(clip_multiple=3.0)
+    plain = aggregate_block(honest + attackers, AggregationConfig())["w"]
+    clipped = aggregate_block(honest + attackers, cfg)["w"]
+    bound = norm_bound(honest + attackers, cfg)
+    assert float((plain - mean).norm() / mean.norm()) > 15
+    assert float((clipped - 0.8 * mean).norm()) <= 0.2 * bound + 1e-6
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_the_adaptive_clip_leaves_honest_updates_bit_identical(seed):
+    honest, _, _ = honest_and_attackers(1.0, seed=seed)
+    recent = [update_norm(u.delta) for u in honest]
+    assert norm_bound(honest, AggregationConfig(clip_multiple=3.0), recent) > max(recent)
+    plain = aggregate_block(honest, AggregationConfig())["w"]
+    assert torch.equal(aggregate_block(honest, AggregationConfig(clip_multiple=3.0), recent)["w"], plain)
+
+
+def test_recent_norms_bound_a_buffer_that_is_mostly_attackers():
+    """Two x100 updates in a buffer of three: the median of the buffer alone is an attacker's,
+    the block's recent history is not."""
+    honest, attackers, mean = honest_and_attackers(100.0, n_honest=1)
+    history = [update_norm(u.delta) for u in honest_and_attackers(1.0)[0]]
+    out = aggregate_block(honest + attackers, AggregationConfig(clip_multiple=3.0), history)["w"]
+    assert float(out.norm()) <= 3.0 * sorted(history)[len(history) // 2] + 1e-6
+    with pytest.raises(ValueError, match="clip_multiple"):
+        AggregationConfig(clip_multiple=0.5)
