@@ -225,6 +225,10 @@ BENCHMARKS = {  # name: (module, what it measures); modules are imported only wh
         "fedrl.sim.bench.overlap",
         "block-sequential vs parablock round time vs max(comm, compute), virtual and real links",
     ),
+    "chaos": (
+        "fedrl.sim.bench.chaos",
+        "20% Byzantine clients (x100, flipped, reversed, noise, NaN) under each aggregation rule",
+    ),
     "async": (
         "fedrl.sim.bench.async_rounds",
         "time to target and bytes per client: fedavg-lora, block rounds, parablock sync/async",

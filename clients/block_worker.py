@@ -187,7 +187,7 @@ def handle(
             instr.block,
             instr.version,
             base,
-            {n: new_local[n].clone() for n in names},
+            runtime.poison_update(base, {n: new_local[n].clone() for n in names}, instr.seed + instr.round),
             len(metrics) * instr.prompts * instr.samples,
         )
     after = None

@@ -85,6 +85,10 @@ class Runtime:
     def perturb_rewards(self, rewards, rng) -> None:
         """Faults of the reward signal (none on an honest client)."""
 
+    def poison_update(self, base: dict, new: dict, seed: int) -> dict:
+        """What a dishonest client hands in for the block's new values (an honest one: `new`)."""
+        return new
+
     def leaving(self) -> str:
         """ "" while the node stays; "flush" or "drop" once its owner asked it to leave."""
         return ""

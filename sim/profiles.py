@@ -35,6 +35,7 @@ import numpy as np
 from pydantic import model_validator
 
 from fedrl.schema import Schema, SchemaError
+from fedrl.sim.attacks import ATTACKS
 from fedrl.sim.link import LinkProfile
 
 
@@ -54,6 +55,7 @@ class ClientProfile(Schema):
     offline_s: float = 0.0
     bug_prob: float = 0.0
     reward_noise_prob: float = 0.0
+    attack: str = ""  # a Byzantine client: what it uploads instead of its update (fedrl.sim.attacks)
 
     @model_validator(mode="after")
     def _in_range(self):
@@ -64,6 +66,8 @@ class ClientProfile(Schema):
             raise ValueError("speed, bandwidths and online_s must be > 0")
         if self.latency_s < 0 or self.offline_s < 0:
             raise ValueError("latency_s and offline_s must be >= 0")
+        if self.attack not in ATTACKS:
+            raise ValueError(f"attack must be one of {ATTACKS}, got {self.attack!r}")
         for name in ("loss", "dropout", "bug_prob", "reward_noise_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")

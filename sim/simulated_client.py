@@ -22,6 +22,7 @@ from fedrl.frictions import corrupt_rewards, inject_bugs
 from fedrl.link import Link
 from fedrl.protocol import TrainInstruction
 from fedrl.schema import Schema, SchemaError
+from fedrl.sim.attacks import poison
 from fedrl.sim.clock import round_seconds
 from fedrl.sim.link import make_link
 from fedrl.sim.profiles import ClientProfile
@@ -73,6 +74,9 @@ class SimulatedRuntime(Runtime):
 
     def perturb_rewards(self, rewards, rng) -> None:
         corrupt_rewards(rewards, self.profile.reward_noise_prob, rng)
+
+    def poison_update(self, base, new, seed):
+        return poison(self.profile.attack, base, new, seed)
 
 
 def simulated_client(msg: Message, context: Context, call_next) -> Message:

@@ -2,7 +2,7 @@
 
 global[b] += sum_i a_i * delta_i / sum_i a_i with a_i = n_i * (1 + tau_i) ** -alpha.
 Each delta is first clipped to a norm bound: a fixed `clip_norm`, and/or `clip_multiple` times
-the median norm of the block's recent updates and the ones at hand (adaptive, so it needs no
+the median norm of recent updates (the caller's reference) and the ones at hand (adaptive, so it needs no
 tuning to the model's scale; one client scaling its update ×100 moves the result by at most
 its weight times that bound). Pure functions over dicts of tensors; the coordinator owns the
 history of norms.
@@ -90,7 +90,7 @@ def aggregate_block(
     updates: list[Update], config: AggregationConfig, recent_norms: Sequence[float] = ()
 ) -> dict[str, torch.Tensor]:
     """The combined delta for one block (every update must name the same tensors);
-    `recent_norms` are the (clipped) norms of the block's recent updates."""
+    `recent_norms` are the (clipped) norms of recent and concurrent updates, the clip's reference."""
     if not updates:
         raise ValueError("no updates to aggregate")
     names = set(updates[0].delta)
@@ -108,7 +108,9 @@ def aggregate_block(
         if config.robust == "median":
             out[n] = stacked.median(dim=0).values
         else:
-            k = int(config.trim_fraction * len(deltas))
+            # at least one from each end once there are three: a trimmed mean that trims nothing
+            # (10% of a buffer of 3) is the plain mean
+            k = max(int(config.trim_fraction * len(deltas)), 1 if len(deltas) >= 3 else 0)
             ordered = stacked.sort(dim=0).values
             out[n] = ordered[k : len(deltas) - k].mean(dim=0)
     return out

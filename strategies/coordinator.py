@@ -54,7 +54,7 @@ from fedrl.strategies.scheduler import BlockScheduler
 from fedrl.tasks import get_task
 
 log = logging.getLogger("fedrl.coordinator")
-RECENT_NORMS = 32  # the adaptive clip's memory, per block
+RECENT_NORMS = 64  # the adaptive clip's memory: norms of the last updates, any block
 
 
 @dataclass
@@ -119,7 +119,7 @@ class Coordinator:
         self.agg = AggregationConfig(
             cfg.alpha, cfg.max_staleness, cfg.clip_norm or None, cfg.clip_multiple, cfg.robust
         )
-        self.recent_norms: dict[int, collections.deque] = {}  # block -> clipped norms of its last updates
+        self.recent_norms: collections.deque = collections.deque(maxlen=RECENT_NORMS)  # clipped norms
         anchor_every = 1 if cfg.mode == "fedavg-lora" else cfg.anchor_every  # fedavg sends full adapters
         self.publisher = PatchPublisher(anchor_every=anchor_every, keep_recent=cfg.max_staleness + 2)
         # keys live in the state dir and survive restarts: clients pin the coordinator's public key
@@ -226,7 +226,7 @@ class Coordinator:
             "counts": self.counts,
             "in_flight": len(self.in_flight),
             "evals": self.evals,
-            "recent_norms": {str(b): list(q) for b, q in self.recent_norms.items()},
+            "recent_norms": list(self.recent_norms),
             "config": self.cfg.model_dump(),
         }
         self.checkpointer.save_async(self.version, self.global_state, meta)
@@ -250,8 +250,8 @@ class Coordinator:
         self.scheduler.load_state_dict(meta["scheduler"])
         self.members.load_state_dict(meta.get("members", {"ids": []}))
         self.evals = meta.get("evals", [])
-        for block, norms in meta.get("recent_norms", {}).items():
-            self.recent_norms[int(block)] = collections.deque(norms, maxlen=RECENT_NORMS)
+        if isinstance(meta.get("recent_norms"), list):
+            self.recent_norms.extend(float(n) for n in meta["recent_norms"])
         self.event("resumed", from_version=version)
         return True
 
@@ -529,7 +529,8 @@ class Coordinator:
                 self.admin.delete(r.upload_key, node_principal(node))
             except StoreError:
                 pass
-        self.event("accepted", ("accepted",), node=node, block=r.upload_block, staleness=staleness)
+        norm = round(update_norm(delta), 6)
+        self.event("accepted", ("accepted",), node=node, block=r.upload_block, staleness=staleness, norm=norm)
         self.buffer.append(update)
 
     def aggregate(self) -> None:
@@ -546,16 +547,21 @@ class Coordinator:
             else:
                 by_block.setdefault(u.block, []).append(u)
         new_state = dict(self.global_state)  # tensors are replaced, never mutated (lazy checkpoint copies)
-        clipped = 0
+        norms = {b: [update_norm(u.delta) for u in us] for b, us in by_block.items()}
+        clipped, kept = 0, []
         for block, updates in by_block.items():
-            recent = self.recent_norms.setdefault(block, collections.deque(maxlen=RECENT_NORMS))
-            bound = norm_bound(updates, self.agg, recent)
-            for name, delta in aggregate_block(updates, self.agg, recent).items():
+            # the clip's reference: recent norms and this aggregation's other updates, of any block
+            # (blocks are alike in size), so a block with two updates, one an attacker's, still
+            # has an honest median
+            others = [n for b, ns in norms.items() if b != block for n in ns]
+            reference = [*self.recent_norms, *others]
+            bound = norm_bound(updates, self.agg, reference)
+            for name, delta in aggregate_block(updates, self.agg, reference).items():
                 new_state[name] = self.global_state[name] + delta
-            norms = [update_norm(u.delta) for u in updates]
-            clipped += sum(bound is not None and n > bound for n in norms)
-            recent.extend(min(n, bound or float("inf")) for n in norms)
+            clipped += sum(bound is not None and n > bound for n in norms[block])
+            kept += [min(n, bound or float("inf")) for n in norms[block]]
             self.scheduler.record_update(block, self.version + 1)
+        self.recent_norms.extend(kept)
         self.global_state, self.version = new_state, self.version + 1
         self.replies_at_version = self.counts["replies"]
         updates, self.buffer = len(self.buffer), []

@@ -34,7 +34,7 @@ class RunConfig(Schema):
     alpha: float = 0.5
     robust: str = "mean"  # mean | trimmed-mean | median
     clip_norm: float = 0.0  # a fixed per-update norm clip; 0: off
-    clip_multiple: float = 3.0  # adaptive clip: 3x the median recent update norm of the block; 0: off
+    clip_multiple: float = 3.0  # adaptive clip: 3x the median norm of recent updates; 0: off
     deadline_s: float = 300.0  # a round's deadline on the run's clock (stragglers past it are cut)
     watchdog_s: float = (
         600.0  # wall seconds after which a message with no reply is given up, whatever the clock

@@ -1,0 +1,37 @@
+"""Byzantine clients of a simulation: what a dishonest client uploads instead of its update.
+
+Each attack turns the honest new values of a block (`new`, trained from `base`) into what the
+client hands in; the patch it uploads is still valid and exact, so only the coordinator's
+checks and aggregation stand between it and the global model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ATTACKS = ("", "scale", "flip", "ascent", "random", "nan")
+SCALE = 100.0
+
+
+def poison(kind: str, base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], seed: int) -> dict:
+    """`scale`: the update x100; `flip`: x-100; `ascent`: the update reversed at its own size
+    (as if trained to raise the error: no norm check can tell); `random`: noise 100x the
+    update's norm; `nan`: NaN in every value."""
+    if kind not in ATTACKS:
+        raise ValueError(f"unknown attack {kind!r}; known: {ATTACKS[1:]}")
+    if not kind:
+        return new
+    factor = {"scale": SCALE, "flip": -SCALE, "ascent": -1.0}.get(kind)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, value in new.items():
+        b, delta = base[name].float(), value.float() - base[name].float()
+        if factor is not None:
+            poisoned = b + factor * delta
+        elif kind == "random":
+            noise = torch.randn(delta.shape, generator=g)
+            poisoned = b + noise * (SCALE * delta.norm() / noise.norm().clamp_min(1e-12))
+        else:
+            poisoned = b + delta * float("nan")
+        out[name] = poisoned.to(value.dtype)
+    return out
