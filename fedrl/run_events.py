@@ -40,29 +40,37 @@ class EventLog:
         event.update(version=version, **fields)
         if counted:
             event["counted"] = list(counted)
+        self._check(event)
         line = json.dumps(event, default=str)
-        with self._lock:
+        with self._lock:  # one lock: the file and the memory keep events in the same order
             if self._file is not None:
                 self._file.write(line + "\n")
                 self._file.flush()  # a follower sees whole lines as they happen
+            self._keep(event)
         log.log(logging.INFO if kind in NOTABLE else logging.DEBUG, line)
-        self.add(event)
         return event
 
     def add(self, event: dict) -> None:
-        """Keep an event (made here or read back from a file) and hand it to the listeners."""
+        """Keep an event read back from a file and hand it to the listeners."""
+        self._check(event)
         with self._lock:
-            unknown = set(event.get("counted", ())) - set(self.counts)
-            if unknown:
-                raise ValueError(f"event counts unknown totals {sorted(unknown)}")
-            self.events.append(event)
-            for name in event.get("counted", ()):
-                self.counts[name] += 1
-            for listener in self.listeners:
-                try:
-                    listener(event)
-                except Exception:  # a view of the run must never stop the run
-                    log.exception("event listener failed on %s", event.get("kind"))
+            self._keep(event)
+
+    def _check(self, event: dict) -> None:
+        unknown = set(event.get("counted", ())) - set(self.counts)
+        if unknown:
+            raise ValueError(f"event counts unknown totals {sorted(unknown)}")
+
+    def _keep(self, event: dict) -> None:
+        """Under the lock: remember, count, tell the listeners."""
+        self.events.append(event)
+        for name in event.get("counted", ()):
+            self.counts[name] += 1
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # a view of the run must never stop the run
+                log.exception("event listener failed on %s", event.get("kind"))
 
     def since(self, index: int) -> list[dict]:
         """The events from `index` on (a follower's cursor)."""

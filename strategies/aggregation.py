@@ -75,28 +75,27 @@ def clip_delta(delta: Mapping[str, torch.Tensor], max_norm: float) -> dict[str, 
 
 
 def norm_bound(
-    updates: list[Update], config: AggregationConfig, recent_norms: Sequence[float] = ()
+    norms: Sequence[float], config: AggregationConfig, reference: Sequence[float] = ()
 ) -> float | None:
-    """The largest norm an update may bring: the fixed clip and the adaptive one, whichever is
-    smaller; None when neither is on."""
+    """The largest norm an update may bring, given the norms of the updates at hand and the
+    clip's `reference` (the clipped norms of recent and concurrent updates): the fixed clip and
+    the adaptive one, whichever is smaller; None when neither is on."""
     bounds = [config.clip_norm] if config.clip_norm else []
     if config.clip_multiple:
-        norms = [*recent_norms, *(update_norm(u.delta) for u in updates)]
-        bounds.append(config.clip_multiple * statistics.median(norms))
+        bounds.append(config.clip_multiple * statistics.median([*reference, *norms]))
     return min(bounds) if bounds else None
 
 
 def aggregate_block(
-    updates: list[Update], config: AggregationConfig, recent_norms: Sequence[float] = ()
+    updates: list[Update], config: AggregationConfig, bound: float | None = None
 ) -> dict[str, torch.Tensor]:
-    """The combined delta for one block (every update must name the same tensors);
-    `recent_norms` are the (clipped) norms of recent and concurrent updates, the clip's reference."""
+    """The combined delta for one block (every update must name the same tensors), each delta
+    first clipped to `bound` (from norm_bound; None: no clip)."""
     if not updates:
         raise ValueError("no updates to aggregate")
     names = set(updates[0].delta)
     if any(set(u.delta) != names for u in updates):
         raise ValueError("updates of one block name different tensors")
-    bound = norm_bound(updates, config, recent_norms)
     deltas = [u.delta if bound is None else clip_delta(u.delta, bound) for u in updates]
     if config.robust == "mean":
         weights = torch.tensor([u.num_samples * staleness_weight(u.staleness, config.alpha) for u in updates])

@@ -555,8 +555,8 @@ class Coordinator:
             # has an honest median
             others = [n for b, ns in norms.items() if b != block for n in ns]
             reference = [*self.recent_norms, *others]
-            bound = norm_bound(updates, self.agg, reference)
-            for name, delta in aggregate_block(updates, self.agg, reference).items():
+            bound = norm_bound(norms[block], self.agg, reference)
+            for name, delta in aggregate_block(updates, self.agg, bound).items():
                 new_state[name] = self.global_state[name] + delta
             clipped += sum(bound is not None and n > bound for n in norms[block])
             kept += [min(n, bound or float("inf")) for n in norms[block]]

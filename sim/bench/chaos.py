@@ -40,21 +40,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def attackers(clients: int, attack: str) -> int:
+    """A fifth of the clients (at least one) when there is an attack; they are the last ids."""
+    return max(1, clients // 5) if attack else 0
+
+
 def profiles(clients: int, attack: str) -> str:
-    attackers = max(1, clients // 5) if attack else 0
-    honest = [dict(HONEST)] * (clients - attackers)
-    return json.dumps(honest + [dict(HONEST, name=f"attacker-{attack}", attack=attack)] * attackers)
+    n = attackers(clients, attack)
+    honest = [dict(HONEST)] * (clients - n)
+    return json.dumps(honest + [dict(HONEST, name=f"attacker-{attack}", attack=attack)] * n)
 
 
 def run(base: RunConfig, clients: int, rule: str, attack: str, out: Path) -> dict:
     cfg = base.replace(**RULES[rule], out_dir=str(out / f"{rule}-{attack or 'clean'}"), resume=False)
     sim = SimConfig(profiles=profiles(clients, attack), clock="virtual")
     s = simulate(cfg, sim, clients, quiet=True, engine="local")
-    attacker_nodes = {
-        int(node)
-        for node, c in s["clients"].items()
-        if c["client_id"] >= clients - (max(1, clients // 5) if attack else 0)
-    }
+    first = clients - attackers(clients, attack)
+    attacker_nodes = {int(node) for node, c in s["clients"].items() if c["client_id"] >= first}
     from_attackers = [e for e in s["events"] if e.get("node") in attacker_nodes]
     return {
         "final": s["final_eval"],
@@ -127,7 +129,7 @@ def main(args) -> int:
             "benchmark": "chaos",
             "quick": args.quick,
             "clients": clients,
-            "attackers": max(1, clients // 5),
+            "attackers": attackers(clients, "any"),
             "versions": versions,
             "rules": rules,
             "clean": {rule: {k: v for k, v in r.items() if k != "curve"} for rule, r in clean.items()},
