@@ -156,7 +156,13 @@ def cmd_invite(args) -> int:
 
     learner = learner_settings(parse_overrides(args.set or []))
     invite = make_invite(
-        args.run, args.superlink, args.store_url, args.ca_file, read_secret(args.secret_file), **learner
+        args.run,
+        args.superlink,
+        args.store_url,
+        args.ca_file,
+        read_secret(args.secret_file),
+        valid_days=args.valid_days,
+        **learner,
     )
     if args.out:
         Path(args.out).write_text(invite.encode() + "\n")
@@ -364,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ca-file", required=True, help="the CA that signed both servers' certificates")
     p.add_argument("--secret-file", required=True, help="the patch store's secret")
     p.add_argument("--out", help="write the invite to this file (default: print it)")
+    p.add_argument(
+        "--valid-days", type=float, default=30.0, help="the invite enrolls keys this long (default 30)"
+    )
     p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="learner settings, e.g. model=tiny")
     p.set_defaults(func=cmd_invite)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from fedrl.credentials import ADMIN, token_for
+from fedrl.credentials import ADMIN, token_source
 from fedrl.deploy.federation import DeployError, Federation
 from fedrl.store_client import BlockingStoreClient, StoreError
 
@@ -22,7 +22,7 @@ from fedrl.store_client import BlockingStoreClient, StoreError
 class Approver:
     def __init__(self, federation: Federation, store_url: str, secret: bytes, ca_file: str, keys_dir: Path):
         self.federation, self.keys_dir = federation, Path(keys_dir)
-        self.store = BlockingStoreClient(store_url, ADMIN, token_for(secret, ADMIN), ca_file=ca_file)
+        self.store = BlockingStoreClient(store_url, ADMIN, token_source(secret), ca_file=ca_file)
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
 

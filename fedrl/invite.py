@@ -14,12 +14,13 @@ import base64
 import binascii
 import json
 import re
+import time
 from pathlib import Path
 
 from cryptography import x509
 from pydantic import model_validator
 
-from fedrl.credentials import invite_principal, token_for
+from fedrl.credentials import CredentialError, invite_principal, token_expires, token_for
 from fedrl.protocol import LearnerSettings
 from fedrl.schema import SchemaError
 
@@ -39,7 +40,7 @@ class Invite(LearnerSettings):
     superlink: str  # host:port of the SuperLink (Fleet API)
     store_url: str  # the patch store (https)
     ca_pem: str  # the CA certificate that signed the SuperLink's and the store's certificates
-    token: str  # credential of principal invite:<run>
+    token: str  # credential of principal invite:<run>; it expires (`fedrl invite --valid-days`)
     # + LearnerSettings: what the run trains, for the probe (instructions decide the real work)
 
     @model_validator(mode="after")
@@ -53,6 +54,10 @@ class Invite(LearnerSettings):
         host, _, port = self.superlink.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"superlink must be host:port, got {self.superlink!r}")
+        try:
+            token_expires(self.token)
+        except CredentialError as err:
+            raise ValueError(str(err)) from None
         if not self.store_url.startswith("https://"):
             raise ValueError(f"store_url must be https://, got {self.store_url!r}")
         try:
@@ -63,6 +68,11 @@ class Invite(LearnerSettings):
             raise ValueError("num_blocks, lora_rank, prompts and samples must be >= 1")
         return self
 
+    def expired(self) -> str | None:
+        """When the invite stopped enrolling keys, or None while it still does."""
+        expires = token_expires(self.token)
+        return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires)) if expires < time.time() else None
+
     @property
     def principal(self) -> str:
         return invite_principal(self.run)
@@ -71,11 +81,20 @@ class Invite(LearnerSettings):
         return PREFIX + base64.urlsafe_b64encode(self.model_dump_json().encode()).decode()
 
 
+DEFAULT_VALID_DAYS = 30.0
+
+
 def make_invite(
-    run: str, superlink: str, store_url: str, ca_file: str | Path, secret: bytes, **learner
+    run: str,
+    superlink: str,
+    store_url: str,
+    ca_file: str | Path,
+    secret: bytes,
+    valid_days: float = DEFAULT_VALID_DAYS,
+    **learner,
 ) -> Invite:
     """The operator's side (`fedrl invite`): `secret` is the patch store's; `learner` the run's
-    LearnerSettings."""
+    LearnerSettings. The invite enrolls keys for `valid_days`; joined nodes use their own tokens."""
     try:
         ca_pem = Path(ca_file).read_text()
     except OSError as err:
@@ -83,7 +102,9 @@ def make_invite(
     fields = dict(
         version=VERSION, run=run, superlink=superlink, store_url=store_url, ca_pem=ca_pem, **learner
     )
-    fields["token"] = token_for(secret, invite_principal(run))
+    if not valid_days > 0:
+        raise InviteError(f"valid_days must be > 0, got {valid_days}")
+    fields["token"] = token_for(secret, invite_principal(run), valid_days * 86400)
     try:
         return Invite.parse(fields, "invite")
     except SchemaError as err:

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 STATUS, PROBE, LEAVE, CLIENT_STATE = "status.json", "probe.json", "leave.json", "client-state"
+APPROVED = "approved"  # the fingerprint of the node key the operator approved
 ON_EXIT = ("flush", "drop")
 
 

@@ -14,8 +14,10 @@
   POST   /probe                   a body that is read and dropped, to measure a link's upload
   GET    /health, /metrics        liveness with what it holds; Prometheus metrics (fedrl.store_metrics)
 
-Credentials: `Authorization: Bearer <token>` with `X-Principal: node-<id>`, `admin`, or
-`invite:<run>` (what `fedrl invite` hands to volunteers: it may enroll a key and probe, nothing else).
+Credentials: every request but /health and /metrics is signed with an expiring token
+(fedrl.credentials.sign_request) as `node-<id>`, `admin`, or `invite:<run>` (what `fedrl
+invite` hands to volunteers: it may enroll a key and probe, nothing else); a signed request
+opens once (its nonce is remembered), within the clock skew of its time, before its token expires.
 Every read of objects and the catalog needs one too: a node reads the coordinator's objects and
 its own uploads, and only the coordinator reads an object's uploaders.
 """
@@ -34,7 +36,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from fedrl.background_app import BackgroundApp
-from fedrl.credentials import ADMIN, INVITE_PREFIX, check_token
+from fedrl.credentials import (
+    ADMIN,
+    INVITE_PREFIX,
+    CredentialError,
+    ReplayGuard,
+    ReplayWindowFull,
+    check_body,
+    verify_request,
+)
 from fedrl.signing import key_fingerprint_ssh
 from fedrl.store_metrics import StoreMetrics
 
@@ -64,6 +74,7 @@ class StoreState:
     objects: dict[str, StoredObject] = field(default_factory=dict)
     catalog: dict = field(default_factory=lambda: {"latest": None, "refs": [], "public_key": None})
     enrollments: dict[str, dict] = field(default_factory=dict)  # fingerprint -> request
+    nonces: ReplayGuard = field(default_factory=ReplayGuard)
 
     @property
     def total_bytes(self) -> int:
@@ -95,18 +106,34 @@ def _digest(request: web.Request) -> str:
 
 def _principal(request: web.Request, state: StoreState, admin: bool = False, invite_ok: bool = False) -> str:
     """The verified principal. An invite's credential only opens what `invite_ok` allows."""
-    auth, principal = request.headers.get("Authorization", ""), request.headers.get("X-Principal", "")
-    if not auth.startswith("Bearer ") or not principal:
-        raise web.HTTPUnauthorized(
-            text="missing credential: send Authorization: Bearer <token> and X-Principal"
+    if "Authorization" not in request.headers:
+        raise web.HTTPUnauthorized(text="missing credential: sign the request (fedrl.credentials)")
+    try:
+        principal = verify_request(
+            state.secret, request.headers, request.method, request.raw_path, state.nonces
         )
-    if not check_token(state.secret, principal, auth.removeprefix("Bearer ")):
-        raise web.HTTPForbidden(text=f"credential does not verify for {principal!r}")
+    except ReplayWindowFull as err:
+        raise web.HTTPServiceUnavailable(text=str(err), headers={"Retry-After": "5"}) from None
+    except CredentialError as err:
+        raise web.HTTPForbidden(text=str(err)) from None
     if admin and principal != ADMIN:
         raise web.HTTPForbidden(text="this operation needs the coordinator's credential")
     if principal.startswith(INVITE_PREFIX) and not invite_ok:
         raise web.HTTPForbidden(text="an invite may only enroll a key and probe the link")
     return principal
+
+
+async def _signed_json(request: web.Request, what: str):
+    """A JSON body that is the one the request was signed with."""
+    body = await request.read()
+    try:
+        check_body(request.headers, body)
+    except CredentialError as err:
+        raise web.HTTPForbidden(text=str(err)) from None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"{what} must be JSON") from None
 
 
 def _fingerprint(request: web.Request, state: StoreState) -> str:
@@ -235,8 +262,8 @@ def make_app(state: StoreState) -> web.Application:
     @routes.post("/enroll")
     async def enroll(request):
         principal = _principal(request, state, invite_ok=True)
+        body = await _signed_json(request, "an enrollment")
         try:
-            body = await request.json()
             fingerprint = key_fingerprint_ssh(body["public_key"])
             name = str(body.get("name", ""))[:64]
         except (ValueError, KeyError, TypeError) as err:
@@ -268,8 +295,8 @@ def make_app(state: StoreState) -> web.Application:
     async def decide(request):
         _principal(request, state, admin=True)
         entry = state.enrollments[_fingerprint(request, state)]
+        body = await _signed_json(request, "a decision")
         try:
-            body = await request.json()
             status, reason = body["status"], str(body.get("reason", ""))[:300]
         except (ValueError, KeyError, TypeError):
             raise web.HTTPBadRequest(text='send {"status": "approved" | "refused", "reason": ...}') from None
@@ -307,8 +334,8 @@ def make_app(state: StoreState) -> web.Application:
     @routes.post("/catalog")
     async def post_catalog(request):
         _principal(request, state, admin=True)
+        catalog = await _signed_json(request, "the catalog")
         try:
-            catalog = await request.json()
             refs = catalog["refs"]
             ok = isinstance(refs, list) and all(
                 isinstance(r, dict)

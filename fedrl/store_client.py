@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import ssl
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
+from fedrl.credentials import sign_request
 from fedrl.link import CHUNK, Link
 
 
@@ -20,13 +23,14 @@ class StoreError(OSError):
 
 
 class PatchStoreClient:
-    """Use inside one event loop: `async with PatchStoreClient(...) as c: await c.get(key)`."""
+    """Use inside one event loop: `async with PatchStoreClient(...) as c: await c.get(key)`.
+    `token` is a token string, or a function that mints one (fedrl.credentials.token_source)."""
 
     def __init__(
         self,
         url: str,
         principal: str,
-        token: str,
+        token: str | Callable[[], str],
         link: Link | None = None,
         ca_file: str | None = None,
         timeout_s: float = 300.0,
@@ -38,11 +42,14 @@ class PatchStoreClient:
         self.session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self):
-        self.session = aiohttp.ClientSession(
-            timeout=self.timeout,
-            headers={"Authorization": f"Bearer {self.token}", "X-Principal": self.principal},
-        )
+        self.session = aiohttp.ClientSession(timeout=self.timeout)
         return self
+
+    def _signed(self, method: str, path: str, body: bytes | None = None) -> tuple[str, dict[str, str]]:
+        """The URL of `path` and the headers that sign this one request."""
+        url = f"{self.url}{path}"
+        token = self.token() if callable(self.token) else self.token
+        return url, sign_request(self.principal, token, method, URL(url).raw_path_qs, body)
 
     async def __aexit__(self, *exc):
         await self.session.close()
@@ -61,12 +68,10 @@ class PatchStoreClient:
                 await self.link.send(len(chunk))
                 yield chunk
 
+        url, headers = self._signed("PUT", f"/objects/{digest}")  # the name binds the body
         try:
             async with self.session.put(
-                f"{self.url}/objects/{digest}",
-                data=body(),
-                ssl=self.ssl,
-                headers={"Content-Length": str(len(data))},
+                url, data=body(), ssl=self.ssl, headers={**headers, "Content-Length": str(len(data))}
             ) as resp:
                 await self._check(resp, f"upload {digest[:12]}")
         except aiohttp.ClientError as err:
@@ -76,8 +81,9 @@ class PatchStoreClient:
     async def get(self, digest: str, max_bytes: int = 1 << 32) -> bytes:
         await self.link.latency()
         parts, size = [], 0
+        url, headers = self._signed("GET", f"/objects/{digest}")
         try:
-            async with self.session.get(f"{self.url}/objects/{digest}", ssl=self.ssl) as resp:
+            async with self.session.get(url, ssl=self.ssl, headers=headers) as resp:
                 await self._check(resp, f"download {digest[:12]}")
                 async for chunk in resp.content.iter_chunked(CHUNK):
                     size += len(chunk)
@@ -93,8 +99,14 @@ class PatchStoreClient:
         return data
 
     async def json(self, method: str, path: str, payload: Any = None) -> Any:
+        body = b"" if payload is None else json.dumps(payload).encode()
+        url, headers = self._signed(method, path, body)
+        if payload is not None:
+            headers["Content-Type"] = "application/json"
         try:
-            async with self.session.request(method, f"{self.url}{path}", json=payload, ssl=self.ssl) as resp:
+            async with self.session.request(
+                method, url, data=body or None, ssl=self.ssl, headers=headers
+            ) as resp:
                 await self._check(resp, f"{method} {path}")
                 return await resp.json()
         except aiohttp.ClientError as err:
@@ -129,8 +141,9 @@ class PatchStoreClient:
         """Download `nbytes` through the link; the bytes received."""
         await self.link.latency()
         size = 0
+        url, headers = self._signed("GET", f"/probe?bytes={int(nbytes)}")
         try:
-            async with self.session.get(f"{self.url}/probe?bytes={int(nbytes)}", ssl=self.ssl) as resp:
+            async with self.session.get(url, ssl=self.ssl, headers=headers) as resp:
                 await self._check(resp, "probe download")
                 async for chunk in resp.content.iter_chunked(CHUNK):
                     size += len(chunk)
@@ -149,9 +162,10 @@ class PatchStoreClient:
                 await self.link.send(len(data[start : start + CHUNK]))
                 yield data[start : start + CHUNK]
 
+        url, headers = self._signed("POST", "/probe")
         try:
             async with self.session.post(
-                f"{self.url}/probe", data=body(), ssl=self.ssl, headers={"Content-Length": str(len(data))}
+                url, data=body(), ssl=self.ssl, headers={**headers, "Content-Length": str(len(data))}
             ) as resp:
                 await self._check(resp, "probe upload")
                 return int((await resp.json())["bytes"])

@@ -42,6 +42,7 @@ class Update:
     delta: dict[str, torch.Tensor]
     num_samples: int
     staleness: int
+    weight: float = 1.0  # the client's reputation (fedrl.strategies.reputation); 1: not weighed
 
 
 def staleness_weight(staleness: int, alpha: float) -> float:
@@ -98,7 +99,9 @@ def aggregate_block(
         raise ValueError("updates of one block name different tensors")
     deltas = [u.delta if bound is None else clip_delta(u.delta, bound) for u in updates]
     if config.robust == "mean":
-        weights = torch.tensor([u.num_samples * staleness_weight(u.staleness, config.alpha) for u in updates])
+        weights = torch.tensor(
+            [u.num_samples * u.weight * staleness_weight(u.staleness, config.alpha) for u in updates]
+        )
         weights = weights / weights.sum()
         return {n: sum(w * d[n] for w, d in zip(weights.tolist(), deltas)) for n in names}
     out = {}

@@ -25,7 +25,14 @@ from flwr.common.constant import ErrorCode
 
 from fedrl.blocks import ALL_BLOCKS
 from fedrl.clock import Clock, RealClock
-from fedrl.credentials import ADMIN, load_or_create_secret, node_principal, read_secret, token_for
+from fedrl.credentials import (
+    ADMIN,
+    load_or_create_secret,
+    node_principal,
+    read_secret,
+    token_for,
+    token_source,
+)
 from fedrl.lora import build_adapter_model
 from fedrl.monitor import MonitorServer
 from fedrl.node_files import write_json
@@ -48,7 +55,9 @@ from fedrl.strategies.aggregation import (
     update_norm,
 )
 from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_checkpoints
+from fedrl.strategies.gate import VerificationGate
 from fedrl.strategies.membership import Membership
+from fedrl.strategies.reputation import Reputation
 from fedrl.strategies.run_config import RunConfig
 from fedrl.strategies.scheduler import BlockScheduler
 from fedrl.tasks import get_task
@@ -120,6 +129,12 @@ class Coordinator:
             cfg.alpha, cfg.max_staleness, cfg.clip_norm or None, cfg.clip_multiple, cfg.robust
         )
         self.recent_norms: collections.deque = collections.deque(maxlen=RECENT_NORMS)  # clipped norms
+        self.gate = (
+            VerificationGate(self.adapter, self.task, cfg.gate_probe, cfg.gate_tolerance, cfg.seed)
+            if cfg.gate_probe
+            else None
+        )
+        self.reputation = Reputation()
         anchor_every = 1 if cfg.mode == "fedavg-lora" else cfg.anchor_every  # fedavg sends full adapters
         self.publisher = PatchPublisher(anchor_every=anchor_every, keep_recent=cfg.max_staleness + 2)
         # keys live in the state dir and survive restarts: clients pin the coordinator's public key
@@ -134,7 +149,7 @@ class Coordinator:
             store = self.resources.enter_context(PatchStoreServer(StoreState(self.secret)))
             self.store_url = store.url
         self.admin = BlockingStoreClient(
-            self.store_url, ADMIN, token_for(self.secret, ADMIN), ca_file=cfg.store_ca_file or None
+            self.store_url, ADMIN, token_source(self.secret), ca_file=cfg.store_ca_file or None
         )
         self.resources.callback(self.admin.close)
         # every base a delta may still be judged against survives a restart (max_staleness + 1)
@@ -227,6 +242,7 @@ class Coordinator:
             "in_flight": len(self.in_flight),
             "evals": self.evals,
             "recent_norms": list(self.recent_norms),
+            "reputation": self.reputation.state_dict(),
             "config": self.cfg.model_dump(),
         }
         self.checkpointer.save_async(self.version, self.global_state, meta)
@@ -252,6 +268,7 @@ class Coordinator:
         self.evals = meta.get("evals", [])
         if isinstance(meta.get("recent_norms"), list):
             self.recent_norms.extend(float(n) for n in meta["recent_norms"])
+        self.reputation.load_state_dict(meta.get("reputation", {}))
         self.event("resumed", from_version=version)
         return True
 
@@ -469,6 +486,7 @@ class Coordinator:
 
     def ingest(self, node: int, r: TrainReport) -> None:
         """Fetch, verify and queue one client delta; anything wrong is rejected with a reason."""
+        client, probe = self.members.client_id(node), {}
         try:
             staleness = self.version - r.upload_base_version
             if not 0 <= staleness <= self.agg.max_staleness:  # cheap checks before any download
@@ -514,15 +532,23 @@ class Coordinator:
                     f"{new[n].dtype}{tuple(new[n].shape)} for {base[n].dtype}{tuple(base[n].shape)}",
                 )
             delta = {n: new[n].float() - base[n].float() for n in names}
-            update = Update(node, r.upload_block, delta, r.upload_samples, staleness)
+            weight = self.reputation.weight(client) if self.cfg.reputation else 1.0
+            update = Update(node, r.upload_block, delta, r.upload_samples, staleness, weight)
             reason = rejection_reason(update, self.agg)
             if reason:
                 raise Rejected("update", reason)
+            if self.gate:
+                before, after, reason = self.gate.check(self.version, self.global_state, delta)
+                probe = {"probe_before": round(before, 4), "probe_after": round(after, 4)}
+                if reason:
+                    raise Rejected("gate", reason)
         except (StoreError, PatchError, ValueError) as err:
             cause = getattr(err, "cause", "other")
             if isinstance(err, (StoreError, PatchError)):
                 cause = "store" if isinstance(err, StoreError) else "patch"
-            self.event("rejected", ("rejected",), node=node, cause=cause, reason=str(err)[:300])
+            self.reputation.record(client, accepted=False, cause=cause)
+            fields = probe if cause == "gate" else {}
+            self.event("rejected", ("rejected",), node=node, cause=cause, reason=str(err)[:300], **fields)
             return
         finally:
             try:
@@ -530,7 +556,17 @@ class Coordinator:
             except StoreError:
                 pass
         norm = round(update_norm(delta), 6)
-        self.event("accepted", ("accepted",), node=node, block=r.upload_block, staleness=staleness, norm=norm)
+        self.reputation.record(client, accepted=True)
+        self.event(
+            "accepted",
+            ("accepted",),
+            node=node,
+            block=r.upload_block,
+            staleness=staleness,
+            norm=norm,
+            weight=round(weight, 4),
+            **probe,
+        )
         self.buffer.append(update)
 
     def aggregate(self) -> None:
@@ -542,7 +578,9 @@ class Coordinator:
                 for b in range(self.cfg.num_blocks):
                     names = self.adapter.part.names(b)
                     by_block.setdefault(b, []).append(
-                        Update(u.node, b, {n: u.delta[n] for n in names}, u.num_samples, u.staleness)
+                        Update(
+                            u.node, b, {n: u.delta[n] for n in names}, u.num_samples, u.staleness, u.weight
+                        )
                     )
             else:
                 by_block.setdefault(u.block, []).append(u)
@@ -714,6 +752,12 @@ class Coordinator:
             "counts": self.counts,
             "evals": self.evals,
             "clients": {str(k): v for k, v in self.clients.items()},
+            "gate": {"updates_scored": self.gate.scored, "cpu_s": round(self.gate.cpu_s, 3)}
+            if self.gate
+            else None,
+            "reputation": {str(k): round(self.reputation.weight(k), 4) for k in self.members.ids.values()}
+            if self.members.ids
+            else {},
             "events": self.events,
             "adapter_dir": str(adapter_dir),
         }

@@ -35,6 +35,10 @@ class RunConfig(Schema):
     robust: str = "mean"  # mean | trimmed-mean | median
     clip_norm: float = 0.0  # a fixed per-update norm clip; 0: off
     clip_multiple: float = 3.0  # adaptive clip: 3x the median norm of recent updates; 0: off
+    # verification gate: score each update on this many probe problems before merging it; 0: off
+    gate_probe: int = 0
+    gate_tolerance: float = 0.05  # refuse an update that lowers the probe's mean reward by more than this
+    reputation: bool = False  # weight each client's updates by its record of accepted and refused ones
     deadline_s: float = 300.0  # a round's deadline on the run's clock (stragglers past it are cut)
     watchdog_s: float = (
         600.0  # wall seconds after which a message with no reply is given up, whatever the clock
@@ -65,8 +69,10 @@ class RunConfig(Schema):
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if min(self.versions, self.buffer_size, self.min_nodes, self.eval_every, self.num_blocks) < 1:
             raise ValueError("versions, buffer_size, min_nodes, eval_every and num_blocks must be >= 1")
-        if min(self.max_time_s, self.data_shards, self.clip_norm, self.target_error) < 0:
-            raise ValueError("max_time_s, data_shards, clip_norm and target_error must be >= 0")
+        if min(self.max_time_s, self.data_shards, self.clip_norm, self.target_error, self.gate_probe) < 0:
+            raise ValueError("max_time_s, data_shards, clip_norm, target_error and gate_probe must be >= 0")
+        if not 0 <= self.gate_tolerance <= 1:
+            raise ValueError(f"gate_tolerance is a drop in mean reward, in [0, 1]; got {self.gate_tolerance}")
         if not -1 <= self.monitor_port <= 65535:
             raise ValueError(
                 f"monitor_port must be -1 (off), 0 (any free port) or a port, got {self.monitor_port}"

@@ -29,6 +29,12 @@ def test_weighted_mean_with_staleness_discount():
     assert staleness_weight(0, 0.5) == 1.0 and staleness_weight(3, 0.5) == 0.5
 
 
+def test_a_clients_reputation_scales_its_weight_in_the_mean():
+    low_trust = Update(1, 0, {"w": torch.full((3,), 9.0)}, 10, 0, weight=0.1)
+    out = aggregate_block([upd(1.0, n=10), low_trust], AggregationConfig())["w"]
+    assert torch.allclose(out, torch.full((3,), (1.0 * 1.0 + 0.1 * 9.0) / 1.1))
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.tuples(st.floats(-5, 5), st.integers(1, 100), st.integers(0, 4)), min_size=1, max_size=8))
 def test_mean_lies_within_the_updates(items):

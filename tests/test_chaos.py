@@ -30,10 +30,12 @@ def test_bench_chaos_at_tiny_size_loses_nothing_and_lets_no_nan_in(tmp_path):
     from fedrl.cli.main import main
 
     out = tmp_path / "chaos.json"
-    argv = ["bench", "chaos", "--clients", "5", "--versions", "2", "--rules", "clip"]
+    argv = ["bench", "chaos", "--families", "byzantine", "--clients", "5", "--versions", "2"]
+    argv += ["--rules", "clip", "gate"]
     assert main(argv + ["--attacks", "nan", "scale", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    rows = {f["name"]: f for f in result["faults"]}
+    gated = {f["name"]: f for f in result["faults"] if f["rule"] == "gate"}
+    rows = {f["name"]: f for f in result["faults"] if f["rule"] == "clip"}
     assert set(rows) == {"byzantine-nan", "byzantine-scale"} and result["attackers"] == 1
     assert all(f["survived"] and f["versions_lost"] == 0 for f in rows.values())
     nan = rows["byzantine-nan"]
@@ -41,4 +43,37 @@ def test_bench_chaos_at_tiny_size_loses_nothing_and_lets_no_nan_in(tmp_path):
     scale = rows["byzantine-scale"]
     # the x100 update is clipped (an attacker whose own update was zero that round sends zero x100)
     assert scale["accepted"] >= 2 and scale["clipped"] >= 1
+    # the gate refuses the x100 update before it is merged, and the attacker's weight falls below
+    # what its accepted updates alone would earn
+    caught = gated["byzantine-scale"]
+    assert caught["gate_caught"] >= 1 and caught["gate_refused_honest"] == 0
+    assert caught["attacker_weight"] < (caught["accepted"] + 1) / (caught["accepted"] + 2)
+    assert caught["gate_cpu_s_per_update"] > 0 and gated["byzantine-nan"]["silently_accepted"] == 0
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_bench_chaos_faults_at_tiny_size_lose_at_most_a_version_and_accept_nothing_silently(tmp_path):
+    """Churn, a coordinator SIGKILL, the store under attack and the patch fuzzer, each at its
+    smallest: the invariants hold (the figures are the benchmark's, not this test's)."""
+    from fedrl.cli.main import main
+
+    out = tmp_path / "chaos.json"
+    argv = ["bench", "chaos", "--quick", "--families", "churn", "kill", "store", "fuzz", "--clients", "3"]
+    assert main(argv + ["--versions", "6", "--kills", "1", "--mutations", "500", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {f["name"]: f for f in result["faults"]}
+    assert all(f["survived"] and f["silently_accepted"] == 0 for f in rows.values()), rows
+    for mode in ("churn-parablock-async", "churn-block-sequential-sync"):
+        churned = rows[mode]  # how far the schedule gets in 6 versions depends on the machine's pace
+        assert churned["churn"][0]["what"] == "left" and churned["replies_failed_in_flight"] == 1, churned
+        assert churned["identities_stable"] and churned["left_events"] >= 1 and churned["versions_lost"] == 0
+    killed = rows["coordinator-kill-9"]
+    assert killed["kills_done"] == 1 and killed["kills"][0]["versions_lost"] <= 1, killed
+    assert killed["leftover_tmp_files"] == 0 and killed["corrupt_checkpoints"] == 0
+    assert rows["store-replayed"]["tried"] >= 10 and rows["store-replayed"]["original_status"] == 200
+    assert result["store"]["honest_under_attack"]["lost"] == 0
+    fuzzed = rows["patch-mutations"]
+    assert fuzzed["tried"] == 500 and fuzzed["crashed"] == 0 and fuzzed["refused"] + fuzzed["exact"] == 500
+    assert rows["decompression-bombs"]["peak_rss_growth_max"] < 64 << 20
     assert out.with_suffix(".png").stat().st_size > 10_000

@@ -1,4 +1,3 @@
-import json
 import struct
 
 import numpy as np
@@ -22,17 +21,10 @@ from fedrl.patch import (
     encode_patch,
     read_header,
     state_hash,
-    to_bits,
 )
+from fedrl.sim.patch_fuzz import bits_equal, body_of, cases, fuzz_signed, rewrap, try_bombs, with_header
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def bits_equal(a: dict, b: dict) -> bool:
-    return set(a) == set(b) and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and np.array_equal(to_bits(a[k]), to_bits(b[k]))
-        for k in a
-    )
 
 
 @st.composite
@@ -141,89 +133,25 @@ def test_zip_bomb_is_refused_before_decompressing():
 # ------------------------------------------------------------------ mutation fuzzer
 
 
-def _rewrap(body: bytes) -> bytes:
-    frame = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(body)
-    return struct.pack("<4sBQ", b"FRLP", 1, len(frame)) + frame
-
-
-def _body(patch: bytes) -> bytes:
-    return zstandard.ZstdDecompressor().decompress(patch[13:])
-
-
 def _fuzz_cases():
-    g = torch.Generator().manual_seed(1)
-    base = {
-        "a": torch.randn(40, 30, generator=g).bfloat16(),
-        "b": torch.randn(500, generator=g).half(),
-        "c": torch.randn(7, generator=g),
-        "d": torch.randn(3, 3, generator=g).bfloat16(),
-    }
-    new = {k: v.clone() for k, v in base.items()}
-    new["a"].view(torch.int16).view(-1)[::13] += 1
-    new["b"].view(torch.int16)[::3] -= 2
-    new["b"][0] = float("nan")
-    new["c"] = torch.randn(7, generator=g)  # dense
-    other = {k: v.clone() for k, v in new.items()}
-    other["d"].view(torch.int16).view(-1)[0] ^= 1
-    return [
-        (base, encode_patch(base, new, 0, 1), new),
-        (None, encode_patch(None, new, None, 1), new),
-        (new, encode_patch(new, other, 1, 2), other),
-    ]
-
-
-def _mutations(patch: bytes, rng: np.random.Generator):
-    kind = rng.integers(6)
-    data = bytearray(patch)
-    if kind == 0:  # flip bits in the wire bytes
-        for _ in range(rng.integers(1, 4)):
-            pos = rng.integers(len(data))
-            data[pos] ^= 1 << rng.integers(8)
-        return bytes(data)
-    if kind == 1:
-        return bytes(data[: rng.integers(len(data))])
-    if kind == 2:
-        return bytes(data) + rng.bytes(int(rng.integers(1, 16)))
-    body = bytearray(_body(patch))
-    (hlen,) = struct.unpack_from("<I", body)
-    if kind == 3:  # flip bits inside the decompressed body (behind a valid checksum)
-        pos = rng.integers(len(body))
-        body[pos] ^= 1 << rng.integers(8)
-        return _rewrap(bytes(body))
-    if kind == 4:  # edit a header number or string
-        header = body[4 : 4 + hlen].decode()
-        digits = [i for i, ch in enumerate(header) if ch.isdigit()]
-        pos = digits[rng.integers(len(digits))]
-        header = header[:pos] + str(rng.integers(10)) + header[pos + 1 :]
-        new_h = header.encode()
-        return _rewrap(struct.pack("<I", len(new_h)) + new_h + bytes(body[4 + hlen :]))
-    # truncate or extend the sections behind the header
-    rest = bytes(body[4 + hlen :])
-    rest = (
-        rest[: rng.integers(len(rest) + 1)]
-        if rng.random() < 0.5
-        else rest + rng.bytes(int(rng.integers(1, 9)))
-    )
-    return _rewrap(bytes(body[: 4 + hlen]) + rest)
+    return [(base, patch, target) for base, _, patch, target, _ in cases()]
 
 
 def test_mutation_fuzzer_never_yields_a_wrong_state():
-    rng = np.random.default_rng(0)
-    cases = _fuzz_cases()
-    bases = [c[0] for c in cases if c[0] is not None]
-    outcomes = {"raised": 0, "exact": 0}
-    for i in range(10_500):
-        base, patch, target = cases[i % len(cases)]
-        mutated = _mutations(patch, rng)
-        apply_to = base if rng.random() > 0.05 else bases[rng.integers(len(bases))]  # swapped bases
-        try:
-            out = apply_patch(apply_to, mutated)
-        except PatchError:
-            outcomes["raised"] += 1
-            continue
-        assert bits_equal(out, target), f"mutation {i} produced a wrong state"
-        outcomes["exact"] += 1
-    assert outcomes["raised"] > 9000, outcomes
+    """10,500 mutations of real signed patches through a client's receive path (signature,
+    catalog labels, base hash, codec): each is refused with a PatchError or means what it did."""
+    result = fuzz_signed(10_500, seed=0)
+    assert result["silently_applied"] == 0 and result["crashed"] == 0, result
+    assert result["refused"] > 9_500 and result["refused"] + result["exact"] == 10_500, result
+    assert set(result["mutations"]) >= {"forged", "splice", "relabel", "swapped-base", "header-kind"}
+
+
+def test_bombs_in_every_stream_are_refused_before_they_cost_memory():
+    rows = try_bombs(PatchLimits(max_patch_bytes=1 << 24, max_body_bytes=1 << 24))
+    assert len(rows) == 6
+    for row in rows:
+        assert row["outcome"].startswith("refused:"), row
+        assert row["peak_rss_growth"] < 64 << 20, row  # a 1 GiB body is never materialized
 
 
 def test_apply_never_modifies_the_base():
@@ -234,19 +162,9 @@ def test_apply_never_modifies_the_base():
         apply_patch(base, patch[:-1])
     assert bits_equal(base, snapshot)
     with pytest.raises(TargetMismatch):
-        body = bytearray(_body(patch))
+        body = bytearray(body_of(patch))
         body[-1] ^= 0x01  # last value byte: structure intact, content wrong
-        apply_patch(base, _rewrap(bytes(body)))
-
-
-def _with_header(patch: bytes, edit) -> bytes:
-    """The patch with its header JSON edited by `edit` (behind a valid frame)."""
-    body = _body(patch)
-    (hlen,) = struct.unpack_from("<I", body)
-    header = json.loads(body[4 : 4 + hlen])
-    edit(header)
-    raw = json.dumps(header).encode()
-    return _rewrap(struct.pack("<I", len(raw)) + raw + body[4 + hlen :])
+        apply_patch(base, rewrap(bytes(body)))
 
 
 @pytest.mark.parametrize("bad", [["bfloat16"], {"x": 1}, 7, None])
@@ -257,13 +175,13 @@ def test_a_header_field_of_the_wrong_kind_is_a_patch_error(bad):
         header["tensors"][0]["dtype"] = bad
 
     with pytest.raises(CorruptPatch, match="malformed tensor entry"):
-        apply_patch(base, _with_header(patch, edit))
+        apply_patch(base, with_header(patch, edit))
 
     def edit_mode(header):
         header["tensors"][0]["mode"] = bad
 
     with pytest.raises(CorruptPatch, match="malformed tensor entry"):
-        apply_patch(base, _with_header(patch, edit_mode))
+        apply_patch(base, with_header(patch, edit_mode))
 
 
 def test_a_shape_whose_size_overflows_is_refused_before_any_allocation():
@@ -274,4 +192,4 @@ def test_a_shape_whose_size_overflows_is_refused_before_any_allocation():
         header["tensors"] = [{**first, "shape": [2**32, 2**32], "count": 0, "values": [0, 0]}]
 
     with pytest.raises(CorruptPatch):
-        apply_patch(None, _with_header(anchor, edit))
+        apply_patch(None, with_header(anchor, edit))

@@ -1,9 +1,11 @@
 import asyncio
 import hashlib
+import json
 
+import aiohttp
 import pytest
 
-from fedrl.credentials import ADMIN, new_secret, node_principal, token_for
+from fedrl.credentials import ADMIN, new_secret, node_principal, sign_request, token_for
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.store_client import BlockingStoreClient, PatchStoreClient, StoreError
 
@@ -64,7 +66,8 @@ def test_bad_hash_oversize_and_unknown_objects_are_clear_http_errors(store):
 
     async def raw_put(name, body):
         async with PatchStoreClient(server.url, "node-1", token_for(secret, "node-1")) as c:
-            async with c.session.put(f"{server.url}/objects/{name}", data=body) as resp:
+            url, headers = c._signed("PUT", f"/objects/{name}")
+            async with c.session.put(url, data=body, headers=headers) as resp:
                 return resp.status, await resp.text()
 
     status, text = asyncio.run(raw_put("0" * 64, b"not what the name says"))
@@ -218,7 +221,6 @@ def test_a_node_cannot_fill_the_store_for_everyone():
 def test_a_node_reads_only_its_own_uploads_and_the_coordinators_objects(store):
     """Free-riding: node-2 used to GET node-1's upload (reads needed no credential) and PUT the
     same bytes, so the store listed it as an uploader of node-1's delta."""
-    import aiohttp
 
     server, secret = store
     honest, rider, admin = (client(server, secret, p) for p in (node_principal(1), node_principal(2), ADMIN))
@@ -253,11 +255,13 @@ def test_a_stalled_body_is_dropped_and_bodies_in_flight_are_bounded():
     secret = new_secret()
     state = StoreState(secret, max_object_bytes=1 << 20, max_receiving_bytes=1 << 20, upload_idle_s=5.0)
     with PatchStoreServer(state) as server:
-        token = token_for(secret, node_principal(1))
+        path = f"/objects/{'0' * 64}"
+        signed = sign_request(node_principal(1), token_for(secret, node_principal(1)), "PUT", path)
         stalled = socket.create_connection((server.host, server.port), timeout=30)
         stalled.sendall(
-            f"PUT /objects/{'0' * 64} HTTP/1.1\r\nHost: store\r\nAuthorization: Bearer {token}\r\n"
-            f"X-Principal: node-1\r\nContent-Length: 900000\r\n\r\n".encode()
+            f"PUT {path} HTTP/1.1\r\nHost: store\r\n".encode()
+            + "".join(f"{k}: {v}\r\n" for k, v in signed.items()).encode()
+            + b"Content-Length: 900000\r\n\r\n"
             + b"x" * 800_000  # and then nothing
         )
         for _ in range(200):
@@ -275,3 +279,35 @@ def test_a_stalled_body_is_dropped_and_bodies_in_flight_are_bounded():
         assert state.receiving == 0
         assert node.put(body) == hashlib.sha256(body).hexdigest()
         node.close()
+
+
+def test_captured_expired_or_altered_requests_are_refused(store):
+    """Tokens used to be bearer strings that never expired: a captured request (or its token)
+    opened the store for ever. Now each request is signed once, with a token that expires."""
+    server, secret = store
+
+    async def send(method, path, headers, body=None):
+        async with aiohttp.ClientSession() as session:
+            async with session.request(method, server.url + path, headers=headers, data=body) as resp:
+                return resp.status, await resp.text()
+
+    token = token_for(secret, node_principal(1))
+    captured = sign_request(node_principal(1), token, "GET", "/catalog")
+    assert asyncio.run(send("GET", "/catalog", captured))[0] == 200
+    status, text = asyncio.run(send("GET", "/catalog", captured))
+    assert status == 403 and "replayed" in text
+    expired = sign_request(node_principal(1), token_for(secret, node_principal(1), -5), "GET", "/catalog")
+    status, text = asyncio.run(send("GET", "/catalog", expired))
+    assert status == 403 and "expired" in text
+    status, text = asyncio.run(
+        send("GET", "/health", sign_request(node_principal(1), token, "GET", "/catalog"))
+    )
+    assert status == 200  # health is open; the signature only opens what it names:
+    status, text = asyncio.run(send("GET", "/enroll", sign_request(ADMIN, token, "GET", "/enroll")))
+    assert status == 403 and "does not verify" in text  # a node's token is not the admin's
+    admin_token = token_for(secret, ADMIN)
+    body = json.dumps({"latest": None, "refs": []}).encode()
+    swapped = sign_request(ADMIN, admin_token, "POST", "/catalog", body)
+    status, text = asyncio.run(send("POST", "/catalog", swapped, b'{"latest": 9, "refs": []}'))
+    assert status == 403 and "not the one" in text
+    assert client(server, secret, ADMIN).catalog()["latest"] is None

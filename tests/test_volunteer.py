@@ -259,3 +259,30 @@ def test_a_withdrawal_stops_the_supernode_only_once_nothing_is_left_to_send(
         status = status | {"updated_at": time.time() + status["updated_at"]}
     log = log.replace("STARTED", STARTED).replace("SENT", SENT)
     assert session.left(status, log) is stops
+
+
+def test_an_expired_invite_enrolls_nothing_but_an_approved_node_still_rejoins(tmp_path, ca):
+    import time
+
+    from rich.console import Console
+
+    from fedrl.node_files import APPROVED, write_atomic
+    from fedrl.signing import key_fingerprint_ssh
+    from fedrl.volunteer.home import VolunteerHome
+    from fedrl.volunteer.session import EXIT_REFUSED, Session, VolunteerError
+
+    invite = make_invite(
+        "r", "127.0.0.1:9", "https://127.0.0.1:9", ca, new_secret(), valid_days=1e-5, **LEARNER
+    )
+    time.sleep(1.0)
+    assert invite.expired()
+    home = VolunteerHome.for_run(invite.run, tmp_path)
+    session = Session(invite, home, console=Console(file=io.StringIO()))
+    with pytest.raises(VolunteerError, match="invite expired on") as err:
+        session.enroll()  # refused before any request: the store would refuse it too
+    assert err.value.code == EXIT_REFUSED
+    public = home.node_key()[1].read_text()
+    write_atomic(home.state_dir / APPROVED, key_fingerprint_ssh(public).encode())
+    session.enroll()  # approved earlier: the SuperLink, not the invite, decides from here
+    with pytest.raises(InviteError, match="valid_days"):
+        make_invite("r", "h:1", "https://h:2", ca, new_secret(), valid_days=0, **LEARNER)

@@ -33,7 +33,17 @@ from rich.console import Console
 from fedrl.deploy.federation import flwr_env, tool
 from fedrl.deploy.local import free_port, stop_groups
 from fedrl.invite import Invite
-from fedrl.node_files import LEAVE, ON_EXIT, PROBE, STATUS, read_json, update_status, write_atomic, write_json
+from fedrl.node_files import (
+    APPROVED,
+    LEAVE,
+    ON_EXIT,
+    PROBE,
+    STATUS,
+    read_json,
+    update_status,
+    write_atomic,
+    write_json,
+)
 from fedrl.protocol import HardwareProbe
 from fedrl.signing import key_fingerprint_ssh
 from fedrl.store_client import PatchStoreClient, StoreError
@@ -109,8 +119,19 @@ class Session:
     def enroll(self) -> None:
         _, public = self.home.node_key()
         line = public.read_text().strip()
+        fingerprint = key_fingerprint_ssh(line)
         self.say(f"node key: {public}\n  {line[:40]}...{line[-24:]}")
-        self.say(f"  fingerprint {key_fingerprint_ssh(line)[:32]}")
+        self.say(f"  fingerprint {fingerprint[:32]}")
+        approved = self.home.state_dir / APPROVED
+        if approved.is_file() and approved.read_text().strip() == fingerprint:
+            # the invite only enrolls keys (it may have expired since); the SuperLink still checks this one
+            self.say("approved earlier by the operator")
+            return
+        ended = self.invite.expired()
+        if ended:
+            raise VolunteerError(
+                EXIT_REFUSED, f"this invite expired on {ended}: ask the operator for a new one"
+            )
         try:
             entry = asyncio.run(self._enroll(line))
         except StoreError as err:
@@ -132,6 +153,7 @@ class Session:
                 f"not approved within {self.approval_timeout_s:.0f} s; ask the operator to run "
                 f"`fedrl approve` or `flwr supernode register {public}`",
             )
+        write_atomic(approved, (fingerprint + "\n").encode())
         self.say("approved by the operator")
 
     def probe(self) -> None:

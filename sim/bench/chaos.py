@@ -1,12 +1,24 @@
-"""`fedrl bench chaos`: faults and attackers against the real coordinator, one row per fault.
+"""`fedrl bench chaos`: faults, attackers and load against the real system, one row per fault.
 
-So far it covers the Byzantine family: 20% of clients upload, instead of their update, the
-update x100 (`scale`), x-100 (`flip`), reversed at its own size (`ascent`: a valid patch of a
-harmful update), noise 100x its norm (`random`) or NaN (`nan`). Each attack runs under each
-aggregation rule against a clean run with the same seed and rule; a row reports how much of
-the clean run's improvement survived. Block-sequential synchronous rounds, so every update of a
-round lands in one block's aggregate (where robust rules can see the attackers among them);
-virtual clock, clients in this process (the real ClientApp and coordinator).
+Families (`--families`, default all):
+  byzantine  20% of clients upload, instead of their update, the update x100 (`scale`), x-100
+             (`flip`), reversed at its own size (`ascent`: a valid patch of a harmful update),
+             noise 100x its norm (`random`) or NaN (`nan`), under each aggregation rule (mean,
+             the default clip, trimmed mean, median, and `gate`: the clip plus the verification
+             gate and reputation weights) vs a clean run with the same seed and rule.
+             Block-sequential synchronous rounds, so every update of a round lands in one
+             block's aggregate; virtual clock, the real ClientApp and coordinator in-process.
+  churn      30% of the nodes leave (replies in flight lost), as many new ones join, the
+             leavers return, in an async (parablock) and a sync (block-sequential) run, vs the
+             same run without churn.
+  kill       the coordinator (`fedrl sim` processes) SIGKILLed N times at random moments and
+             resumed by running the same command (fedrl.sim.kill_loop).
+  store      a real `fedrl patch-store` under floods, slow headers, oversize bodies, replayed
+             and wrong credentials and traversal names (fedrl.sim.store_attack).
+  fuzz       mutated real signed patches through a client's receive path, and decompression
+             bombs in every stream (fedrl.sim.patch_fuzz).
+JSON: {"faults": [{"name", "tried", "survived", "silently_accepted", "versions_lost",
+"final_metric", "clean_metric", ...}], "store": {...}}, and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -16,27 +28,34 @@ import time
 from pathlib import Path
 
 from fedrl.bench.common import write_json
+from fedrl.patch import PatchLimits
 from fedrl.sim.attacks import ATTACKS
 from fedrl.sim.runner import simulate
 from fedrl.sim.simulated_server import SimConfig
 from fedrl.strategies.run_config import RunConfig
 
+FAMILIES = ("byzantine", "churn", "kill", "store", "fuzz")
+CLIP = dict(robust="mean", clip_multiple=3.0)
 RULES = {  # name: run config; "clip" is the default rule of a run
     "mean": dict(robust="mean", clip_multiple=0.0),
-    "clip": dict(robust="mean", clip_multiple=3.0),
+    "clip": CLIP,
     "trimmed-mean": dict(robust="trimmed-mean", clip_multiple=3.0),
     "median": dict(robust="median", clip_multiple=3.0),
+    "gate": dict(CLIP, gate_probe=64, gate_tolerance=0.05, reputation=True),
 }
 HONEST = {"name": "honest", "up_bytes_s": 1e6, "down_bytes_s": 4e6, "latency_s": 0.02}
 
 
 def add_arguments(parser) -> None:
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument(
         "--clients", type=int, help="clients, a fifth of them attackers (default 10; quick 5)"
     )
     parser.add_argument("--versions", type=int, help="global versions per run (default 16; quick 6)")
-    parser.add_argument("--rules", nargs="+", choices=list(RULES), help="default: all; quick: mean clip")
+    parser.add_argument("--rules", nargs="+", choices=list(RULES), help="default: all; quick: clip gate")
     parser.add_argument("--attacks", nargs="+", choices=ATTACKS[1:], default=list(ATTACKS[1:]))
+    parser.add_argument("--kills", type=int, help="coordinator SIGKILLs (default 20; quick 3)")
+    parser.add_argument("--mutations", type=int, help="fuzzed patches (default 20000; quick 2000)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -51,30 +70,207 @@ def profiles(clients: int, attack: str) -> str:
     return json.dumps(honest + [dict(HONEST, name=f"attacker-{attack}", attack=attack)] * n)
 
 
-def run(base: RunConfig, clients: int, rule: str, attack: str, out: Path) -> dict:
-    cfg = base.replace(**RULES[rule], out_dir=str(out / f"{rule}-{attack or 'clean'}"), resume=False)
-    sim = SimConfig(profiles=profiles(clients, attack), clock="virtual")
-    s = simulate(cfg, sim, clients, quiet=True, engine="local")
-    first = clients - attackers(clients, attack)
-    attacker_nodes = {int(node) for node, c in s["clients"].items() if c["client_id"] >= first}
-    from_attackers = [e for e in s["events"] if e.get("node") in attacker_nodes]
+def curve(summary: dict) -> list[tuple[int, float]]:
+    return [(e["version"], e["error"]) for e in summary["evals"]]
+
+
+def row(name: str, summary: dict, clean: dict, versions: int, **fields) -> dict:
+    """One fault's row: its outcome next to the clean run's."""
+    gain = clean["initial_eval"] - clean["final_eval"]
     return {
-        "final": s["final_eval"],
-        "initial": s["initial_eval"],
-        "versions": s["versions"],
-        "stop_reason": s["stop_reason"],
-        "tried": sum(e["kind"] in ("accepted", "rejected") for e in from_attackers),
-        "accepted": sum(e["kind"] == "accepted" for e in from_attackers),
-        "rejected": sum(e["kind"] == "rejected" for e in from_attackers),
-        "clipped": sum(e.get("clipped", 0) for e in s["events"] if e["kind"] == "version"),
-        "curve": [(e["version"], e["error"]) for e in s["evals"]],
+        "name": name,
+        "survived": summary["versions"] >= versions,
+        "versions_lost": max(0, versions - summary["versions"]),
+        "final_metric": summary["final_eval"],
+        "clean_metric": clean["final_eval"],
+        "initial_metric": summary["initial_eval"],
+        "improvement_kept": (summary["initial_eval"] - summary["final_eval"]) / gain if gain > 0 else None,
+        "curve": curve(summary),
+        "clean_curve": curve(clean),
+        **fields,
     }
+
+
+def byzantine(base: RunConfig, clients: int, rules: list[str], attacks: list[str], out: Path) -> list[dict]:
+    rows = []
+    for rule in rules:
+        clean = None
+        for attack in ["", *attacks]:
+            print(
+                f"[byzantine/{rule}] {attack or 'clean'}: {clients} clients, {base.versions} versions",
+                flush=True,
+            )
+            cfg = base.replace(**RULES[rule], out_dir=str(out / f"{rule}-{attack or 'clean'}"), resume=False)
+            s = simulate(
+                cfg, SimConfig(profiles=profiles(clients, attack), clock="virtual"), clients, True, "local"
+            )
+            if not attack:
+                clean = s
+                continue
+            first = clients - attackers(clients, attack)
+            bad = {int(node) for node, c in s["clients"].items() if c["client_id"] >= first}
+            judged = [e for e in s["events"] if e["kind"] in ("accepted", "rejected")]
+            mine = [e for e in judged if e.get("node") in bad]
+            gated = [e for e in judged if e["kind"] == "rejected" and e.get("cause") == "gate"]
+            rows.append(
+                row(
+                    f"byzantine-{attack}",
+                    s,
+                    clean,
+                    base.versions,
+                    rule=rule,
+                    tried=len(mine),
+                    accepted=sum(e["kind"] == "accepted" for e in mine),
+                    rejected=sum(e["kind"] == "rejected" for e in mine),
+                    # an attacker's update in the global model: NaN must never be; the others are
+                    # bounded by the rule (clipped/trimmed/gated), which `improvement_kept` measures
+                    silently_accepted=sum(e["kind"] == "accepted" for e in mine) if attack == "nan" else 0,
+                    clipped=sum(e.get("clipped", 0) for e in s["events"] if e["kind"] == "version"),
+                    gate_caught=sum(e.get("node") in bad for e in gated),
+                    gate_refused_honest=sum(e.get("node") not in bad for e in gated),
+                    gate_cpu_s_per_update=(s["gate"]["cpu_s"] / max(s["gate"]["updates_scored"], 1))
+                    if s.get("gate")
+                    else None,
+                    attacker_weight=min(
+                        (w for c, w in s.get("reputation", {}).items() if int(c) >= first), default=None
+                    ),
+                )
+            )
+    return rows
+
+
+def churn(base: RunConfig, clients: int, out: Path) -> list[dict]:
+    from fedrl.sim.apps import client_app
+    from fedrl.sim.churn import ChurnGrid
+    from fedrl.sim.local_grid import LocalGrid
+    from fedrl.sim.simulated_server import run_simulated
+
+    rows = []
+    sim = SimConfig(profiles=json.dumps([HONEST]), clock="virtual")
+    for mode, sync in (("parablock", False), ("block-sequential", True)):
+        cfg = base.replace(mode=mode, sync=sync, buffer_size=max(2, clients // 2))
+        print(
+            f"[churn] {mode} {'sync' if sync else 'async'}: {clients} clients, {cfg.versions} versions",
+            flush=True,
+        )
+        clean = run_simulated(
+            LocalGrid(clients, client_app), cfg.replace(out_dir=str(out / f"{mode}-clean")), sim
+        )
+        # leave, join and return at about 20%, 40% and 60% of the run's replies
+        replies = cfg.versions * (clients if sync else cfg.buffer_size)
+        grid = ChurnGrid(clients, client_app, fraction=0.3, period=max(1, replies // 5))
+        s = run_simulated(grid, cfg.replace(out_dir=str(out / f"{mode}-churn")), sim)
+        seen: dict[int, set] = {}  # node -> every client id the coordinator gave it
+        for e in s["events"]:
+            if e["kind"] in ("joined", "left"):
+                seen.setdefault(e["node"], set()).add(e["client"])
+        kinds = [e["kind"] for e in s["events"]]
+        left_at = {e["node"]: i for i, e in enumerate(s["events"]) if e["kind"] == "left"}
+        rows.append(
+            row(
+                f"churn-{mode}-{'sync' if sync else 'async'}",
+                s,
+                clean,
+                cfg.versions,
+                tried=len(grid.log),
+                churn=grid.log,
+                replies_failed_in_flight=grid.failed_in_flight,
+                left_events=kinds.count("left"),
+                joined_events=kinds.count("joined"),
+                returned_events=sum(
+                    e["kind"] == "joined" and i > left_at.get(e["node"], len(kinds))
+                    for i, e in enumerate(s["events"])
+                ),
+                # stable identities: a node keeps one client id through leaving and returning, and
+                # no id is given to two nodes
+                identities_stable=all(len(c) == 1 for c in seen.values())
+                and len({min(c) for c in seen.values()}) == len(seen),
+                silently_accepted=0,
+            )
+        )
+    return rows
+
+
+def kill(base: RunConfig, clients: int, kills: int, seed: int, out: Path) -> list[dict]:
+    from fedrl.sim.kill_loop import kill_loop, run_to_end
+
+    overrides = {
+        k: v
+        for k, v in base.model_dump().items()
+        if k in ("mode", "sync", "task_params", "prompts", "samples", "base_steps", "min_steps", "max_steps")
+    }
+    versions = max(base.versions, 3 * kills)  # each life makes a version or two: the run outlives the kills
+    overrides.update(
+        mode="parablock",
+        sync=False,
+        versions=versions,
+        eval_every=2,
+        buffer_size=max(2, clients // 2),
+        seed=seed,
+    )
+    print(f"[kill] {kills} SIGKILLs of a {clients}-client parablock run, then an unkilled one", flush=True)
+    result = kill_loop(out / "killed", kills, clients, overrides, seed=seed)
+    clean = run_to_end(out / "unkilled", clients, overrides, timeout_s=600)
+    killed = json.loads((out / "killed" / "summary.json").read_text())
+    return [
+        row(
+            "coordinator-kill-9",
+            killed,
+            clean,
+            versions,
+            tried=result["kills_done"],
+            silently_accepted=result["corrupt_checkpoints"],
+            **{k: v for k, v in result.items() if k not in ("final_metric", "initial_metric", "versions")},
+        )
+        | {"versions_lost": result["versions_lost_total"]}  # over all kills, not against the budget
+    ]
+
+
+def store(quick: bool) -> tuple[list[dict], dict]:
+    from fedrl.sim.store_attack import attack_store
+
+    print("[store] honest node alone, then under every attack at once", flush=True)
+    result = attack_store(seconds=3.0 if quick else 10.0, scale=0.25 if quick else 1.0)
+    rows = [
+        {"name": f"store-{name}", "survived": result["survived"], "versions_lost": 0, **fields}
+        for name, fields in result["attacks"].items()
+    ]
+    return rows, {k: v for k, v in result.items() if k != "attacks"}
+
+
+def fuzz(mutations: int, seed: int) -> list[dict]:
+    from fedrl.sim.patch_fuzz import fuzz_signed, try_bombs
+
+    print(f"[fuzz] {mutations} mutated signed patches, and decompression bombs", flush=True)
+    start = time.perf_counter()
+    result = fuzz_signed(mutations, seed)
+    result["wall_s"] = round(time.perf_counter() - start, 1)
+    limits = PatchLimits(max_patch_bytes=16 << 20, max_body_bytes=16 << 20)  # a receiver's bound
+    bombs = try_bombs(limits)
+    return [
+        {
+            "name": "patch-mutations",
+            "survived": result["crashed"] == 0,
+            "silently_accepted": result["silently_applied"],
+            "versions_lost": 0,
+            **result,
+        },
+        {
+            "name": "decompression-bombs",
+            "tried": len(bombs),
+            "survived": all(not b["outcome"].startswith("crashed") for b in bombs),
+            "silently_accepted": sum(b["outcome"] == "applied" for b in bombs),
+            "versions_lost": 0,
+            "peak_rss_growth_max": max(b["peak_rss_growth"] for b in bombs),
+            "bombs": bombs,
+        },
+    ]
 
 
 def main(args) -> int:
     clients = args.clients or (5 if args.quick else 10)
     versions = args.versions or (6 if args.quick else 16)
-    rules = args.rules or (["mean", "clip"] if args.quick else list(RULES))
+    rules = args.rules or (["clip", "gate"] if args.quick else list(RULES))
     base = RunConfig(
         mode="block-sequential",
         sync=True,
@@ -93,37 +289,18 @@ def main(args) -> int:
     )
     out = Path(args.out)
     runs = out.parent / f"{out.stem}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
-    start, faults, clean = time.perf_counter(), [], {}
-    for rule in rules:
-        for attack in ["", *args.attacks]:
-            print(f"[{rule}] {attack or 'clean'}: {clients} clients, {versions} versions", flush=True)
-            r = run(base, clients, rule, attack, runs)
-            if not attack:
-                clean[rule] = r
-                continue
-            ref = clean[rule]
-            gain = ref["initial"] - ref["final"]
-            faults.append(
-                {
-                    "name": f"byzantine-{attack}",
-                    "rule": rule,
-                    "tried": r["tried"],
-                    "survived": r["versions"] >= versions,
-                    # an attacker's update in the global model: NaN must never be; the others are
-                    # bounded by the rule (clipped/trimmed), which `improvement_kept` measures
-                    "silently_accepted": r["accepted"] if attack == "nan" else 0,
-                    "accepted": r["accepted"],
-                    "rejected": r["rejected"],
-                    "clipped": r["clipped"],
-                    "versions_lost": max(0, versions - r["versions"]),
-                    "final_metric": r["final"],
-                    "clean_metric": ref["final"],
-                    "initial_metric": r["initial"],
-                    "improvement_kept": (r["initial"] - r["final"]) / gain if gain > 0 else None,
-                    "curve": r["curve"],
-                    "clean_curve": ref["curve"],
-                }
-            )
+    start, faults, store_latency = time.perf_counter(), [], None
+    if "byzantine" in args.families:
+        faults += byzantine(base, clients, rules, args.attacks, runs / "byzantine")
+    if "churn" in args.families:
+        faults += churn(base, clients, runs / "churn")
+    if "kill" in args.families:
+        faults += kill(base, clients, args.kills or (3 if args.quick else 20), args.seed, runs / "kill")
+    if "store" in args.families:
+        rows, store_latency = store(args.quick)
+        faults += rows
+    if "fuzz" in args.families:
+        faults += fuzz(args.mutations or (2000 if args.quick else 20_000), args.seed)
     path = write_json(
         {
             "benchmark": "chaos",
@@ -131,43 +308,69 @@ def main(args) -> int:
             "clients": clients,
             "attackers": attackers(clients, "any"),
             "versions": versions,
+            "families": args.families,
             "rules": rules,
-            "clean": {rule: {k: v for k, v in r.items() if k != "curve"} for rule, r in clean.items()},
             "faults": faults,
+            "store": store_latency,
             "wall_s": time.perf_counter() - start,
         },
         args.out,
     )
-    plot(faults, path.with_suffix(".png"))
-    heads = f"{'tried':>5} {'accepted':>8} {'clipped':>7} {'final':>6} {'clean':>6} {'kept':>6}"
-    print(f"{'fault':18} {'rule':13} {heads}")
-    for f in faults:
-        kept = f"{f['improvement_kept']:.0%}" if f["improvement_kept"] is not None else "-"
-        print(
-            f"{f['name']:18} {f['rule']:13} {f['tried']:5d} {f['accepted']:8d} {f['clipped']:7d} "
-            f"{f['final_metric']:6.3f} {f['clean_metric']:6.3f} {kept:>6}"
-        )
+    plot(faults, store_latency, path.with_suffix(".png"))
+    print_table(faults, store_latency)
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 
 
-def plot(faults: list[dict], path: Path) -> None:
+def fmt(value, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(faults: list[dict], store_latency: dict | None) -> None:
+    heads = f"{'tried':>6} {'silent':>6} {'lost':>4} {'final':>6} {'clean':>6} {'kept':>6}"
+    print(f"{'fault':26} {'rule':13} {heads}")
+    for f in faults:
+        counts = f"{f.get('tried', 0):6d} {f.get('silently_accepted', 0):6d} {f['versions_lost']:4d}"
+        kept = fmt(f.get("improvement_kept"), ".0%")
+        metrics = f"{fmt(f.get('final_metric')):>6} {fmt(f.get('clean_metric')):>6} {kept:>6}"
+        print(f"{f['name']:26} {f.get('rule', ''):13} {counts} {metrics}")
+
+
+def plot(faults: list[dict], store_latency: dict | None, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rules = sorted({f["rule"] for f in faults}, key=list(RULES).index)
-    fig, axes = plt.subplots(1, len(rules), figsize=(5 * len(rules), 4), squeeze=False, sharey=True)
-    for ax, rule in zip(axes[0], rules):
-        rows = [f for f in faults if f["rule"] == rule]
-        if rows:
-            ax.plot(*zip(*rows[0]["clean_curve"]), "k-", lw=2, label="clean")
-        for f in rows:
+    groups: dict[str, list[dict]] = {}
+    for f in faults:
+        if "curve" in f:
+            key = f"byzantine, rule {f['rule']}" if "rule" in f else f["name"]
+            groups.setdefault(key, []).append(f)
+    panels = len(groups) + (1 if store_latency else 0)
+    if not panels:
+        return
+    cols = min(3, panels)
+    rows = (panels + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    flat = list(axes.flat)
+    for ax, (title, group) in zip(flat, groups.items()):
+        ax.plot(*zip(*group[0]["clean_curve"]), "k-", lw=2, label="clean")
+        for f in group:
             ax.plot(*zip(*f["curve"]), label=f["name"].removeprefix("byzantine-"))
-        ax.set(title=f"rule: {rule}", xlabel="version", ylabel="held-out greedy error")
-        ax.legend(fontsize=8)
-    fig.suptitle("20% Byzantine clients vs aggregation rules")
+        ax.set(title=title, xlabel="version", ylabel="held-out greedy error")
+        ax.legend(fontsize=7)
+    if store_latency:
+        ax = flat[len(groups)]
+        phases = ["honest_alone", "honest_under_attack"]
+        for i, q in enumerate(("p50_ms", "p99_ms")):
+            ax.bar([j + 0.4 * i for j in range(2)], [store_latency[p][q] for p in phases], 0.4, label=q[:3])
+        ax.set_xticks([0.2, 1.2], ["alone", "under attack"])
+        ax.set(title="patch store: an honest node's request latency", ylabel="ms")
+        ax.legend()
+    for ax in flat[panels:]:
+        ax.axis("off")
+    fig.suptitle("fedrl bench chaos: held-out error per fault vs a clean run")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

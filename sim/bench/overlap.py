@@ -19,7 +19,7 @@ from fedrl.bench.common import write_json
 from fedrl.clients.block_worker import ClientState, Pending, handle
 from fedrl.clients.model_cache import ModelCache
 from fedrl.clients.runtime import use_runtime
-from fedrl.credentials import ADMIN, new_secret, node_principal, token_for
+from fedrl.credentials import ADMIN, new_secret, node_principal, token_for, token_source
 from fedrl.link import CHUNK
 from fedrl.patch_chain import PatchPublisher
 from fedrl.patch_store import PatchStoreServer, StoreState
@@ -48,7 +48,7 @@ class Federation:
         g = torch.Generator().manual_seed(0)
         v0 = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in part.get_all(lm.model).items()}
         v1 = {n: t + 1e-3 * torch.randn(t.shape, generator=g) for n, t in v0.items()}
-        admin = BlockingStoreClient(self.store_url, ADMIN, token_for(self.secret, ADMIN))
+        admin = BlockingStoreClient(self.store_url, ADMIN, token_source(self.secret))
         publisher, refs = PatchPublisher(anchor_every=100), []
         for version, state in ((0, v0), (1, v1)):
             refs += put_signed_patches(admin, publisher.publish(state, version), key)

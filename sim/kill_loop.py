@@ -1,0 +1,122 @@
+"""The coordinator killed with SIGKILL again and again, and resumed by running the same command.
+
+Each life of the run is a real `fedrl sim --engine local ... --set resume=true` process. Once it
+has made a version, it is killed at a random moment within about one version's time (while it
+aggregates, writes a checkpoint, publishes, or waits for replies) and started again. The event
+log (`events.jsonl`, appended across lives) says what each life reached and where the next one
+resumed from: versions lost per kill is the last version announced before the kill minus the
+version resumed from. After the last kill the run goes to its end; its final metric is
+compared with an unkilled run of the same command and seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fedrl.strategies.checkpoint import load_checkpoints
+
+
+def command(run_dir: Path, clients: int, overrides: dict) -> list[str]:
+    sets = [f"{k}={json.dumps(v)}" for k, v in {**overrides, "resume": True}.items()]
+    return [sys.executable, "-m", "fedrl.cli", "sim", "--engine", "local", "--clients", str(clients)] + [
+        "--out",
+        str(run_dir),
+        "--set",
+        *sets,
+    ]
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:  # the line a kill cut short
+            continue
+    return events
+
+
+def last_version(events: list[dict]) -> int:
+    return max((e["version"] for e in events if e["kind"] == "version"), default=0)
+
+
+def run_to_end(run_dir: Path, clients: int, overrides: dict, timeout_s: float) -> dict:
+    subprocess.run(
+        command(run_dir, clients, overrides),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=timeout_s,
+        check=True,
+    )
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def resumed_from(life: list[dict]) -> int:
+    """Where a life of the run started: the checkpoint it resumed, or v0 when it found none."""
+    return next((e["from_version"] for e in life if e["kind"] == "resumed"), 0)
+
+
+def kill_loop(
+    run_dir: Path, kills: int, clients: int, overrides: dict, seed: int = 0, life_timeout_s: float = 300.0
+) -> dict:
+    """`kills` SIGKILLs of one run, then its completion; the per-kill record and what is left."""
+    rng = np.random.default_rng(seed)
+    records, interval = [], 2.0  # wall seconds per version, learned from the run itself
+    for k in range(kills):
+        seen = len(read_events(run_dir))
+        proc = subprocess.Popen(
+            command(run_dir, clients, overrides), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        start, deadline = time.monotonic(), time.monotonic() + life_timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any(e["kind"] == "version" for e in read_events(run_dir)[seen:]):
+                break
+            time.sleep(0.05)
+        if proc.poll() is not None:  # the run ended before this kill: nothing left to kill
+            break
+        first_version_s = time.monotonic() - start
+        time.sleep(float(rng.uniform(0, interval)))  # a random moment of the next version's making
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        life = read_events(run_dir)[seen:]
+        walls = [e["wall"] for e in life if e["kind"] == "version"]
+        if len(walls) > 1:
+            interval = max(0.2, (walls[-1] - walls[0]) / (len(walls) - 1))
+        records.append(
+            {
+                "kill": k + 1,
+                "resumed_from": resumed_from(life),
+                "reached": last_version(life),
+                "last_event": life[-1]["kind"] if life else None,
+                "first_version_after_s": round(first_version_s, 2),
+            }
+        )
+    seen = len(read_events(run_dir))
+    summary = run_to_end(run_dir, clients, overrides, life_timeout_s * 2)
+    starts = [r["resumed_from"] for r in records[1:]] + [resumed_from(read_events(run_dir)[seen:])]
+    for record, next_start in zip(records, starts):  # a kill loses what its life reached past the next start
+        record["versions_lost"] = max(0, record["reached"] - next_start)
+    ckpt_dir = run_dir / "checkpoints"
+    manifests = list(ckpt_dir.glob("ckpt-*.json"))
+    return {
+        "kills": records,
+        "kills_done": len(records),
+        "versions_lost_max": max((r["versions_lost"] for r in records), default=0),
+        "versions_lost_total": sum(r["versions_lost"] for r in records),
+        "leftover_tmp_files": len(list(ckpt_dir.glob("*.tmp"))),
+        "corrupt_checkpoints": len(manifests) - len(list(load_checkpoints(ckpt_dir))),
+        "final_metric": summary["final_eval"],
+        "initial_metric": summary["initial_eval"],
+        "versions": summary["versions"],
+    }
