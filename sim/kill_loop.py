@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedrl.run_events import read_events
 from fedrl.strategies.checkpoint import load_checkpoints
 
 
@@ -34,17 +35,10 @@ def command(run_dir: Path, clients: int, overrides: dict) -> list[str]:
     ]
 
 
-def read_events(run_dir: Path) -> list[dict]:
+def events_of(run_dir: Path) -> list[dict]:
+    """The run's events so far, across its lives (a line a kill cut short is skipped)."""
     path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except ValueError:  # the line a kill cut short
-            continue
-    return events
+    return read_events(path)[0] if path.exists() else []
 
 
 def last_version(events: list[dict]) -> int:
@@ -74,13 +68,13 @@ def kill_loop(
     rng = np.random.default_rng(seed)
     records, interval = [], 2.0  # wall seconds per version, learned from the run itself
     for k in range(kills):
-        seen = len(read_events(run_dir))
+        seen = len(events_of(run_dir))
         proc = subprocess.Popen(
             command(run_dir, clients, overrides), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         start, deadline = time.monotonic(), time.monotonic() + life_timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
-            if any(e["kind"] == "version" for e in read_events(run_dir)[seen:]):
+            if any(e["kind"] == "version" for e in events_of(run_dir)[seen:]):
                 break
             time.sleep(0.05)
         if proc.poll() is not None:  # the run ended before this kill: nothing left to kill
@@ -89,7 +83,7 @@ def kill_loop(
         time.sleep(float(rng.uniform(0, interval)))  # a random moment of the next version's making
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        life = read_events(run_dir)[seen:]
+        life = events_of(run_dir)[seen:]
         walls = [e["wall"] for e in life if e["kind"] == "version"]
         if len(walls) > 1:
             interval = max(0.2, (walls[-1] - walls[0]) / (len(walls) - 1))
@@ -102,9 +96,9 @@ def kill_loop(
                 "first_version_after_s": round(first_version_s, 2),
             }
         )
-    seen = len(read_events(run_dir))
+    seen = len(events_of(run_dir))
     summary = run_to_end(run_dir, clients, overrides, life_timeout_s * 2)
-    starts = [r["resumed_from"] for r in records[1:]] + [resumed_from(read_events(run_dir)[seen:])]
+    starts = [r["resumed_from"] for r in records[1:]] + [resumed_from(events_of(run_dir)[seen:])]
     for record, next_start in zip(records, starts):  # a kill loses what its life reached past the next start
         record["versions_lost"] = max(0, record["reached"] - next_start)
     ckpt_dir = run_dir / "checkpoints"

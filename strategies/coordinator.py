@@ -243,6 +243,7 @@ class Coordinator:
             "evals": self.evals,
             "recent_norms": list(self.recent_norms),
             "reputation": self.reputation.state_dict(),
+            "rounds": {str(node): n for node, n in self.rounds.items()},  # seeds of clients' sampling
             "config": self.cfg.model_dump(),
         }
         self.checkpointer.save_async(self.version, self.global_state, meta)
@@ -269,6 +270,8 @@ class Coordinator:
         if isinstance(meta.get("recent_norms"), list):
             self.recent_norms.extend(float(n) for n in meta["recent_norms"])
         self.reputation.load_state_dict(meta.get("reputation", {}))
+        # a node's round numbers seed its sampling: restarting them would replay the same prompts
+        self.rounds = {int(node): int(n) for node, n in meta.get("rounds", {}).items()}
         self.event("resumed", from_version=version)
         return True
 
@@ -605,9 +608,10 @@ class Coordinator:
         updates, self.buffer = len(self.buffer), []
         self.publish()
         self.event("version", updates=updates, clipped=clipped, blocks=sorted(by_block), **self.store_usage())
-        self.checkpoint()
+        self.checkpoint()  # first, so a kill during the eval loses no version
         if self.version % self.cfg.eval_every == 0:
             self.evaluate()
+            self.checkpoint()  # again, with the eval in its record: a kill before the next version keeps it
         if self.progress:
             self.progress(self)
 

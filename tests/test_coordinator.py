@@ -255,3 +255,27 @@ def test_a_node_claiming_more_samples_than_a_round_yields_is_rejected(tmp_path):
     assert rejected and all(e["cause"] == "samples" for e in rejected)
     assert "1000000000 samples claimed; a round yields at most 64" in rejected[0]["reason"]
     assert summary["versions"] >= 2 and summary["counts"]["accepted"] >= 2
+
+
+def test_a_resumed_run_keeps_the_held_out_evals_made_after_its_last_checkpoint(tmp_path):
+    """Found by `bench chaos` (kill loop): the eval of a version ran after that version's
+    checkpoint, so a coordinator killed before the next version lost it from its history."""
+    first = run_coordinator(FakeGrid(3, client_app), small_config(tmp_path, versions=3, eval_every=1))
+    evaluated = {e["version"]: e["error"] for e in first["evals"][:-1]}  # the last: the final eval
+    assert sorted(evaluated) == list(range(first["versions"] + 1))
+    more = small_config(tmp_path, versions=first["versions"] + 1, eval_every=1)
+    second = run_coordinator(FakeGrid(3, client_app), more)
+    kept = {e["version"]: e["error"] for e in second["evals"]}
+    assert {v: kept.get(v) for v in evaluated} == evaluated and first["versions"] + 1 in kept
+
+
+def test_a_resumed_run_goes_on_with_each_nodes_round_numbers(tmp_path):
+    """Found by `bench chaos` (kill loop): round numbers, which seed a client's sampling, started
+    again at 1 after a restart, so every life of a killed run replayed the same prompts."""
+    first_grid, second_grid = FakeGrid(3, client_app), FakeGrid(3, client_app)
+    first = run_coordinator(first_grid, small_config(tmp_path, versions=2))
+    run_coordinator(second_grid, small_config(tmp_path, versions=first["versions"] + 2))
+    for node in (1, 2, 3):
+        before = [i["round"] for n, i in first_grid.sent if n == node]
+        after = [i["round"] for n, i in second_grid.sent if n == node]
+        assert after and min(after) > max(before), (node, before, after)
