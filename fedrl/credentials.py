@@ -79,12 +79,15 @@ def _mac(key: bytes, message: str) -> str:
     return hmac.new(key, message.encode(), hashlib.sha256).hexdigest()
 
 
+def _token(secret: bytes, principal: str, expires: int) -> str:
+    return f"{expires}.{_mac(secret, f'fedrl-store:{principal}:{expires}')}"
+
+
 def token_for(
     secret: bytes, principal: str, ttl_s: float = NODE_TOKEN_TTL_S, now: float | None = None
 ) -> str:
     """A token for `principal` that expires `ttl_s` seconds from `now`."""
-    expires = int((time.time() if now is None else now) + ttl_s)
-    return f"{expires}.{_mac(secret, f'fedrl-store:{principal}:{expires}')}"
+    return _token(secret, principal, int((time.time() if now is None else now) + ttl_s))
 
 
 def token_source(secret: bytes, principal: str = ADMIN) -> Callable[[], str]:
@@ -158,13 +161,13 @@ def verify_request(
     auth, principal = headers.get("Authorization", ""), headers.get("X-Principal", "")
     if not auth.startswith("Fedrl-HMAC ") or not principal:
         raise CredentialError("missing credential: sign the request (fedrl.credentials.sign_request)")
+    raw_when = headers.get("X-Fedrl-Time", "")  # signed as sent, not as parsed
     try:
-        expires, when = int(headers.get("X-Fedrl-Expires", "")), float(headers.get("X-Fedrl-Time", ""))
+        expires, when = int(headers.get("X-Fedrl-Expires", "")), float(raw_when)
     except ValueError:
         raise CredentialError("X-Fedrl-Expires and X-Fedrl-Time must be numbers") from None
     nonce, digest = headers.get("X-Fedrl-Nonce", ""), headers.get("X-Fedrl-Body-SHA256", "")
-    token = f"{expires}.{_mac(secret, f'fedrl-store:{principal}:{expires}')}"
-    raw_when = headers.get("X-Fedrl-Time", "")  # signed as sent, not as parsed
+    token = _token(secret, principal, expires)
     message = _request_message(method, path, principal, expires, raw_when, nonce, digest)
     if not hmac.compare_digest(_mac(token.encode(), message), auth.removeprefix("Fedrl-HMAC ")):
         raise CredentialError(f"credential does not verify for {principal!r}")

@@ -25,6 +25,7 @@ import zstandard
 from fedrl.patch import PatchError, PatchLimits, apply_patch, encode_patch, read_header, to_bits
 from fedrl.patch_chain import PatchRef, check_labels
 from fedrl.signing import SIGNATURE_BYTES, generate_signing_key, sign_patch, verify_signed_patch
+from fedrl.sim.memory import reset_peak, status_bytes
 
 PREFIX = struct.Struct("<4sBQ")  # the codec's wire prefix: magic, format, frame length
 
@@ -250,28 +251,12 @@ def bombs(limit: int, key) -> dict[str, bytes]:
     }
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory since `reset_peak_rss` (Linux)."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_peak_rss() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
 def try_bombs(limits: PatchLimits) -> list[dict]:
     """Each bomb through the receive path: how it was refused and what memory it cost."""
     key, rows = generate_signing_key(), []
     for name, data in bombs(limits.max_body_bytes, key).items():
-        reset_peak_rss()
-        before = peak_rss_bytes()
+        reset_peak()
+        before = status_bytes("VmHWM")
         try:
             inner = verify_signed_patch(data, key.public_key()) if name.startswith("signed") else data
             apply_patch(None, inner, limits=limits)
@@ -280,6 +265,6 @@ def try_bombs(limits: PatchLimits) -> list[dict]:
             outcome = f"refused:{type(err).__name__}: {str(err)[:100]}"
         except Exception as err:  # noqa: BLE001 - a crash is what this row is looking for
             outcome = f"crashed:{type(err).__name__}: {str(err)[:100]}"
-        growth = peak_rss_bytes() - before
+        growth = status_bytes("VmHWM") - before
         rows.append({"name": name, "bytes": len(data), "outcome": outcome, "peak_rss_growth": growth})
     return rows

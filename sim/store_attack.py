@@ -31,6 +31,8 @@ import aiohttp
 import numpy as np
 
 from fedrl.credentials import new_secret, node_principal, sign_request, token_for
+from fedrl.sim.memory import status_bytes
+from fedrl.sim.runner import free_port
 from fedrl.store_client import PatchStoreClient, StoreError
 
 HONEST, ATTACKER = node_principal(1), node_principal(666)
@@ -48,22 +50,6 @@ TRAVERSAL = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_bytes(pid: int, field: str = "VmRSS") -> int:
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 class StoreProcess:
     """`fedrl patch-store` on a free loopback port, its secret in a temp dir."""
 
@@ -72,7 +58,7 @@ class StoreProcess:
         self.secret = secrets.token_hex(32).encode()  # the file's bytes are the secret
         secret_file = Path(self.dir.name) / "store.secret"
         secret_file.write_bytes(self.secret)
-        self.port = free_port()
+        self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fedrl.cli", "patch-store", "--port", str(self.port)]
@@ -96,7 +82,7 @@ class StoreProcess:
         return self.proc.poll() is None
 
     def rss(self, field: str = "VmRSS") -> int:
-        return rss_bytes(self.proc.pid, field)
+        return status_bytes(field, self.proc.pid)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

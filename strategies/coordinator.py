@@ -13,6 +13,7 @@ a stable client id (strategies.membership), and every message has a wall-clock w
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import time
@@ -581,9 +582,7 @@ class Coordinator:
                 for b in range(self.cfg.num_blocks):
                     names = self.adapter.part.names(b)
                     by_block.setdefault(b, []).append(
-                        Update(
-                            u.node, b, {n: u.delta[n] for n in names}, u.num_samples, u.staleness, u.weight
-                        )
+                        dataclasses.replace(u, block=b, delta={n: u.delta[n] for n in names})
                     )
             else:
                 by_block.setdefault(u.block, []).append(u)
@@ -759,9 +758,7 @@ class Coordinator:
             "gate": {"updates_scored": self.gate.scored, "cpu_s": round(self.gate.cpu_s, 3)}
             if self.gate
             else None,
-            "reputation": {str(k): round(self.reputation.weight(k), 4) for k in self.members.ids.values()}
-            if self.members.ids
-            else {},
+            "reputation": {str(k): round(self.reputation.weight(k), 4) for k in self.members.ids.values()},
             "events": self.events,
             "adapter_dir": str(adapter_dir),
         }
