@@ -18,7 +18,7 @@ import json
 import resource
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from fedrl.patch_chain import PatchRef, cheapest_path, synchronize
 from fedrl.protocol import NO_UPLOAD, TrainInstruction, TrainReport
 from fedrl.rollout import rollout, score
 from fedrl.signing import load_public_key, verify_signed_patch
+from fedrl.sparsify import top_k_with_feedback
 from fedrl.store_client import PatchStoreClient
 from fedrl.tasks import get_task
 
@@ -55,6 +56,7 @@ class ClientState:
     held: Tensors | None = None  # the last global adapter synced exactly (patches apply to it)
     held_version: int | None = None
     pending: Pending | None = None
+    residual: Tensors = field(default_factory=dict)  # what top-k uploads have not sent yet, per tensor
 
 
 def block_correction(
@@ -157,7 +159,7 @@ def handle(
         timing = runtime.timing(False, (start, start), 0, comm, None, start)
         uploaded = state.pending if upload is not None else None
         report = _report(uploaded, comm, timing, [], 0, state.held_version or 0, "now" if leaving else "")
-        return report, ClientState(state.local, state.held, state.held_version)
+        return report, ClientState(state.local, state.held, state.held_version, residual=state.residual)
 
     adapter = models.get(instr.model, instr.lora_rank, instr.lora_alpha, instr.num_blocks)
     names = adapter.part.names(instr.block)  # block -1: the whole adapter
@@ -181,13 +183,15 @@ def handle(
     new_local = adapter.part.get_all(adapter.lm.model)
     staleness = instr.version - (state.held_version or 0) if overlapped else 0
     leaving = runtime.leaving()  # asked during the round: "drop" abandoned it, "flush" finished it
-    pending = None
+    pending, residual = None, state.residual
     if leaving != "drop":
+        trained = {n: new_local[n].clone() for n in names}
+        sent, residual = top_k_with_feedback(base, trained, residual, instr.upload_density)
         pending = Pending(
             instr.block,
             instr.version,
             base,
-            runtime.poison_update(base, {n: new_local[n].clone() for n in names}, instr.seed + instr.round),
+            runtime.poison_update(base, sent, instr.seed + instr.round),
             len(metrics) * instr.prompts * instr.samples,
         )
     after = None
@@ -213,7 +217,7 @@ def handle(
         comm.links += after.links
     farewell = ("after-flush" if keep is not None else "now") if leaving else ""
     report = _report(uploaded, comm, timing, metrics, staleness, instr.version, farewell)
-    return report, ClientState(new_local, comm.held, instr.version, keep)
+    return report, ClientState(new_local, comm.held, instr.version, keep, residual)
 
 
 def train_steps(

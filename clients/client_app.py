@@ -48,8 +48,9 @@ def load_state(state: RecordDict) -> ClientState:
             _tensors(arrays["pending_new"]),
             int(meta["pending_samples"]),
         )
+    residual = _tensors(arrays["residual"]) if "residual" in arrays else {}
     return ClientState(
-        _tensors(arrays["local"]), _tensors(arrays["held"]), int(meta["held_version"]), pending
+        _tensors(arrays["local"]), _tensors(arrays["held"]), int(meta["held_version"]), pending, residual
     )
 
 
@@ -61,6 +62,8 @@ def save_state(state: RecordDict, s: ClientState) -> None:
     state["held"] = ArrayRecord(s.held)
     if p is not None:
         state["pending_base"], state["pending_new"] = ArrayRecord(p.base), ArrayRecord(p.new)
+    if s.residual:
+        state["residual"] = ArrayRecord(s.residual)
     state["meta"] = ConfigRecord(
         {
             "held_version": int(s.held_version),

@@ -2,8 +2,9 @@
 
 Flower keeps `context.state` in the SuperNode's memory: a node that crashes, reboots or is
 withdrawn loses it. A node with a state directory also keeps the state in one safetensors
-file (held global adapter, local copy, pending delta, their versions), written atomically
-after every message: it rejoins holding version v and syncs by patches from v. The file is
+file (held global adapter, local copy, pending delta, the residual of top-k uploads, their
+versions), written atomically after every message: it rejoins holding version v and syncs
+by patches from v. The file is
 bound to the patch store it came from; another federation's state is ignored.
 """
 
@@ -19,7 +20,7 @@ from fedrl.clients.block_worker import ClientState, Pending
 from fedrl.node_files import CLIENT_STATE, write_atomic
 
 FILE = "state.safetensors"
-PARTS = ("local", "held", "pending_base", "pending_new")
+PARTS = ("local", "held", "pending_base", "pending_new", "residual")
 
 
 def state_path(state_dir: str | Path) -> Path:
@@ -30,7 +31,7 @@ def save_to_disk(state_dir: str | Path, store_url: str, s: ClientState) -> None:
     if s.local is None or s.held is None:
         return
     p = s.pending
-    parts = {"local": s.local, "held": s.held}
+    parts = {"local": s.local, "held": s.held, "residual": s.residual}
     if p is not None:
         parts |= {"pending_base": p.base, "pending_new": p.new}
     tensors = {f"{part}/{name}": t.contiguous() for part, ts in parts.items() for name, t in ts.items()}
@@ -61,7 +62,7 @@ def load_from_disk(state_dir: str | Path, store_url: str) -> ClientState | None:
     if meta["pending"] is not None:
         block, base_version, samples = meta["pending"]
         pending = Pending(block, base_version, parts["pending_base"], parts["pending_new"], samples)
-    return ClientState(parts["local"], parts["held"], meta["held_version"], pending)
+    return ClientState(parts["local"], parts["held"], meta["held_version"], pending, parts["residual"])
 
 
 def _metadata(data: bytes) -> dict:

@@ -63,6 +63,7 @@ class TrainInstruction(LearnerSettings):
     client_id: int  # the node's stable id in this run (never renumbered)
     data_shards: int  # the task's data is split in this many shards; the client takes client_id % data_shards
     round: int = 0  # this node's message counter (seeds its randomness)
+    upload_density: float = 1.0  # block uploads send this fraction of entries (top-k, error feedback)
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -70,6 +71,8 @@ class TrainInstruction(LearnerSettings):
             raise ValueError(f"unknown action {self.action!r} or mode {self.mode!r}")
         if self.steps < 0 or self.version < 0 or self.client_id < 0:
             raise ValueError("steps, version and client_id must be >= 0")
+        if not 0 < self.upload_density <= 1 or (self.upload_density < 1 and self.mode == "fedavg-lora"):
+            raise ValueError(f"upload_density {self.upload_density} must be in (0, 1], and 1 for fedavg-lora")
         if min(self.num_blocks, self.prompts, self.samples, self.data_shards) < 1:
             raise ValueError("num_blocks, prompts, samples and data_shards must be >= 1")
         if not -1 <= self.block < self.num_blocks or (self.block == -1) != (self.mode == "fedavg-lora"):

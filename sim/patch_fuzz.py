@@ -22,7 +22,15 @@ import numpy as np
 import torch
 import zstandard
 
-from fedrl.patch import PatchError, PatchLimits, apply_patch, encode_patch, read_header, to_bits
+from fedrl.patch import (
+    FORMAT_VERSION,
+    PatchError,
+    PatchLimits,
+    apply_patch,
+    encode_patch,
+    read_header,
+    to_bits,
+)
 from fedrl.patch_chain import PatchRef, check_labels
 from fedrl.signing import SIGNATURE_BYTES, generate_signing_key, sign_patch, verify_signed_patch
 from fedrl.sim.memory import reset_peak, status_bytes
@@ -44,7 +52,7 @@ def body_of(patch: bytes) -> bytes:
 def rewrap(body: bytes, declared: bool = True) -> bytes:
     """A body behind a fresh, valid frame and checksum (so only the codec's own checks stand)."""
     frame = zstandard.ZstdCompressor(level=1, write_checksum=True, write_content_size=declared).compress(body)
-    return PREFIX.pack(b"FRLP", 1, len(frame)) + frame
+    return PREFIX.pack(b"FRLP", FORMAT_VERSION, len(frame)) + frame
 
 
 def with_header(patch: bytes, edit: Callable[[dict], None]) -> bytes:
@@ -202,7 +210,7 @@ def zeros_frame(size: int, declared: bool = True) -> bytes:
     for _ in range(size >> 20):
         parts.append(stream.compress(chunk))
     frame = b"".join(parts) + stream.flush()
-    return PREFIX.pack(b"FRLP", 1, len(frame)) + frame
+    return PREFIX.pack(b"FRLP", FORMAT_VERSION, len(frame)) + frame
 
 
 def bombs(limit: int, key) -> dict[str, bytes]:
@@ -210,7 +218,7 @@ def bombs(limit: int, key) -> dict[str, bytes]:
     the last is signed by `key` (the coordinator's)."""
     body_bomb = zeros_frame(1 << 30)
     header = {
-        "format": 1,
+        "format": FORMAT_VERSION,
         "base_version": None,
         "base_hash": "0" * 64,
         "target_version": 1,
@@ -235,14 +243,16 @@ def bombs(limit: int, key) -> dict[str, bytes]:
         "sparse-count": anchor_of(
             {
                 **dense,
-                "mode": "bitdiff",
+                "mode": "sparse",
                 "shape": [limit],
                 "count": 1 << 40,
-                "index_width": "u1",
+                "index_width": "uint8",
                 "index": [0, 8],
-                "escapes": [8, 0],
-                "value_width": "u1",
+                "index_escapes": [8, 0],
+                "values_as": "delta",
+                "value_width": "uint8",
                 "values": [8, 8],
+                "value_escapes": [16, 0],
             },
             bytes(16),
         ),

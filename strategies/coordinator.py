@@ -337,6 +337,7 @@ class Coordinator:
             client_id=self.members.client_id(node),
             data_shards=cfg.shards,
             round=self.rounds[node],
+            upload_density=cfg.upload_density,
         )
 
     def dispatch(self, node: int, action: str = "train") -> None:

@@ -32,6 +32,9 @@ class RunConfig(Schema):
     buffer_size: int = 3  # async: aggregate after this many accepted updates
     max_staleness: int = 6
     alpha: float = 0.5
+    # block uploads send this fraction of the block's entries, largest first, and keep the rest
+    # for the block's next round (top-k with error feedback); 1: the whole delta
+    upload_density: float = 1.0
     robust: str = "mean"  # mean | trimmed-mean | median
     clip_norm: float = 0.0  # a fixed per-update norm clip; 0: off
     clip_multiple: float = 3.0  # adaptive clip: 3x the median norm of recent updates; 0: off
@@ -71,6 +74,11 @@ class RunConfig(Schema):
             raise ValueError("versions, buffer_size, min_nodes, eval_every and num_blocks must be >= 1")
         if min(self.max_time_s, self.data_shards, self.clip_norm, self.target_error, self.gate_probe) < 0:
             raise ValueError("max_time_s, data_shards, clip_norm, target_error and gate_probe must be >= 0")
+        if not 0 < self.upload_density <= 1 or (self.upload_density < 1 and self.mode == "fedavg-lora"):
+            raise ValueError(
+                f"upload_density must be in (0, 1] (1 for fedavg-lora, which sends whole adapters); "
+                f"got {self.upload_density}"
+            )
         if not 0 <= self.gate_tolerance <= 1:
             raise ValueError(f"gate_tolerance is a drop in mean reward, in [0, 1]; got {self.gate_tolerance}")
         if not -1 <= self.monitor_port <= 65535:

@@ -217,10 +217,11 @@ def test_an_upload_that_would_decompress_far_beyond_its_block_is_refused_unopene
 
     import zstandard
 
+    from fedrl.patch import FORMAT_VERSION
     from fedrl.store_client import BlockingStoreClient
 
     frame = zstandard.ZstdCompressor(level=3).compress(bytes(64 << 20))  # 64 MiB of zeros in a few KB
-    bomb = struct.pack("<4sBQ", b"FRLP", 1, len(frame)) + frame
+    bomb = struct.pack("<4sBQ", b"FRLP", FORMAT_VERSION, len(frame)) + frame
 
     def script(node, msg, reply):
         if reply.has_error() or node != 1:
@@ -279,3 +280,18 @@ def test_a_resumed_run_goes_on_with_each_nodes_round_numbers(tmp_path):
         before = [i["round"] for n, i in first_grid.sent if n == node]
         after = [i["round"] for n, i in second_grid.sent if n == node]
         assert after and min(after) > max(before), (node, before, after)
+
+
+def test_top_k_uploads_are_sparse_patches_and_the_rest_stays_with_the_client(tmp_path):
+    """upload_density 0.05: each upload changes at most 5% of its block's entries (the patch
+    the coordinator applies says exactly that), and the unsent rest is the client's residual."""
+    dense = run_coordinator(FakeGrid(3, client_app), config(tmp_path / "dense"))
+    grid = FakeGrid(3, client_app)
+    sparse = run_coordinator(grid, config(tmp_path / "sparse", upload_density=0.05))
+    assert sparse["versions"] >= 3 and sparse["counts"]["rejected"] == 0
+    up = lambda s: s["bytes_up"] / s["counts"]["accepted"]  # noqa: E731
+    assert up(sparse) < up(dense) / 4, (up(sparse), up(dense))
+    states = [ctx.state for ctx in grid.contexts.values() if "residual" in ctx.state.array_records]
+    assert states, "no client kept a residual"
+    residual = states[0].array_records["residual"].to_torch_state_dict()
+    assert any(float(t.abs().max()) > 0 for t in residual.values())

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedrl.patch import (
+    FORMAT_VERSION,
     BaseMismatch,
     CorruptPatch,
     PatchError,
@@ -19,6 +20,7 @@ from fedrl.patch import (
     UnknownFormat,
     apply_patch,
     encode_patch,
+    ordered,
     read_header,
     state_hash,
 )
@@ -87,8 +89,14 @@ def test_modes_chosen_per_tensor():
     new["far"][::50] = torch.randn(20, generator=g).bfloat16()
     new["dense"] = torch.randn(1000, generator=g).bfloat16()
     patch = encode_patch(base, new, 0, 1)
-    modes = {e["name"]: e["mode"] for e in read_header(patch).tensors}
-    assert modes == {"same": "same", "ulp": "ulp1", "steps": "bitdiff", "far": "raw", "dense": "dense"}
+    modes = {e["name"]: (e["mode"], e.get("values_as")) for e in read_header(patch).tensors}
+    assert modes == {
+        "same": ("same", None),
+        "ulp": ("sparse", "sign"),
+        "steps": ("sparse", "delta"),
+        "far": ("sparse", "raw"),
+        "dense": ("dense", None),
+    }
     assert bits_equal(apply_patch(base, patch), new)
 
 
@@ -124,7 +132,7 @@ def test_specific_errors():
 def test_zip_bomb_is_refused_before_decompressing():
     body = b"\0" * (64 << 20)
     frame = zstandard.ZstdCompressor(level=19).compress(body)
-    bomb = struct.pack("<4sBQ", b"FRLP", 1, len(frame)) + frame
+    bomb = struct.pack("<4sBQ", b"FRLP", FORMAT_VERSION, len(frame)) + frame
     assert len(bomb) < 100_000
     with pytest.raises(PatchTooLarge):
         apply_patch(None, bomb, limits=PatchLimits(max_body_bytes=1 << 20))
@@ -193,3 +201,39 @@ def test_a_shape_whose_size_overflows_is_refused_before_any_allocation():
 
     with pytest.raises(CorruptPatch):
         apply_patch(None, with_header(anchor, edit))
+
+
+# ------------------------------------------------------------------ the streams on their own
+
+
+def test_ordered_keys_follow_the_values_and_undo_themselves():
+    bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    values = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy()
+    keys = ordered(bits, is_float=True).astype(np.int64)
+    finite = np.isfinite(values)
+    order = np.argsort(keys[finite], kind="stable")
+    assert np.all(np.diff(values[finite][order]) >= 0)  # sorted by key is sorted by value
+    assert np.array_equal(ordered(ordered(bits, True).view(np.uint16), True).view(np.uint16), bits)
+
+
+def test_a_one_ulp_step_across_zero_costs_one_bit():
+    base = {"w": torch.tensor([1e-40, 0.0, -0.0, 2.0], dtype=torch.float32)}
+    new = {"w": base["w"].clone()}
+    new["w"].view(torch.int32)[1] = np.int32(np.uint32(0x80000000).view(np.int32))  # +0 -> -0: one ulp down
+    entry = read_header(encode_patch(base, new, 0, 1)).tensors[0]
+    assert (entry["mode"], entry["values_as"]) == ("sparse", "sign")
+    assert bits_equal(apply_patch(base, encode_patch(base, new, 0, 1)), new)
+
+
+def test_a_one_percent_one_ulp_bf16_update_costs_under_eleven_bits_a_change():
+    """The size the codec exists for: uniform 1% changes of one ulp, near the entropy of their
+    positions (8.1 bits) plus one direction bit."""
+    g, n = np.random.default_rng(0), 2**20
+    base = {"w": torch.randn(n, generator=torch.Generator().manual_seed(0)).bfloat16()}
+    new = {"w": base["w"].clone()}
+    idx = np.sort(g.choice(n, n // 100, replace=False))
+    steps = torch.from_numpy(g.choice(np.array([-1, 1], dtype=np.int16), idx.size))
+    new["w"].view(torch.int16)[torch.from_numpy(idx)] += steps
+    patch = encode_patch(base, new, 0, 1)
+    assert bits_equal(apply_patch(base, patch), new)
+    assert 8 * len(patch) / idx.size < 11

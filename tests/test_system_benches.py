@@ -61,8 +61,10 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
         seed=0,
         engine="local",
         target=0.3,
+        upload_density=0.05,
+        strategies=list(async_rounds.STRATEGIES),
     )
     assert async_rounds.main(args) == 0
     assert (keep / "precious.txt").read_text() == "mine"
-    assert (keep / "bench-async.json").exists() and len(set(runs)) == 4
+    assert (keep / "bench-async.json").exists() and len(set(runs)) == len(async_rounds.STRATEGIES)
     assert all(run.startswith(str(keep / "bench-async-runs-")) for run in runs)  # a new folder of its own

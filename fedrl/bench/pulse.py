@@ -54,14 +54,21 @@ def bf16_trajectory(
 
 
 def measure(name: str, lr: float, k: int, traj: list[dict], level: int, timed: bool) -> dict:
-    """Average over the (t, t+k) pairs of one trajectory; timings on the first pair."""
+    """Averages over the (t, t+k) pairs of one trajectory in which some value changed (early
+    Adam steps at tiny learning rates may change nothing in bf16); each such pair is timed,
+    and the case's throughput is the median over them."""
     pairs = [(t, t + k) for t in range(0, len(traj) - k, k)][:4]
     dense = sum(t.numel() * t.element_size() for t in traj[0].values())
-    sparsity, patch_bytes, zstd_bytes, coo_bytes, identical = [], [], [], [], True
+    numel = sum(t.numel() for t in traj[0].values())
+    changes = {
+        (a, b): sum(int(np.count_nonzero(to_bits(traj[a][n]) != to_bits(traj[b][n]))) for n in traj[a])
+        for a, b in pairs
+    }
+    unchanged = [p for p in pairs if changes[p] == 0]
+    pairs = [p for p in pairs if changes[p] > 0]
+    sparsity, patch_bytes, zstd_bytes, coo_bytes, identical, speeds = [], [], [], [], True, []
     for a, b in pairs:
-        base, new = traj[a], traj[b]
-        changed = sum(int(np.count_nonzero(to_bits(base[n]) != to_bits(new[n]))) for n in base)
-        numel = sum(t.numel() for t in base.values())
+        base, new, changed = traj[a], traj[b], changes[(a, b)]
         patch = encode_patch(base, new, a, b, level=level)
         identical &= state_hash(apply_patch(base, patch)) == state_hash(new)
         sparsity.append(1 - changed / numel)
@@ -73,12 +80,16 @@ def measure(name: str, lr: float, k: int, traj: list[dict], level: int, timed: b
             )
         )
         coo_bytes.append(max(changed * (4 + 4 + 2), 1))  # int32 row, int32 col, bf16 value (PULSE's baseline)
+        speeds.append(throughput(base, new, level, dense) if timed else {})
+    if not pairs:
+        return {"name": name, "lr": lr, "k": k, "pairs": 0, "unchanged_pairs": len(unchanged)}
     case = {
         "name": name,
         "dtype": "bfloat16",
         "lr": lr,
         "k": k,
         "pairs": len(pairs),
+        "unchanged_pairs": len(unchanged),
         "dense_bytes": dense,
         "patch_bytes": float(np.mean(patch_bytes)),
         "sparsity": float(np.mean(sparsity)),
@@ -86,14 +97,19 @@ def measure(name: str, lr: float, k: int, traj: list[dict], level: int, timed: b
         "ratio_zstd_dense": dense / float(np.mean(zstd_bytes)),
         "ratio_raw_coo": dense / float(np.mean(coo_bytes)),
         "bit_identical": bool(identical),
+        "per_pair": [
+            {"from": a, "to": b, "sparsity": sp, "ratio": dense / size, **speed}
+            for (a, b), sp, size, speed in zip(pairs, sparsity, patch_bytes, speeds)
+        ],
     }
-    if timed:
-        case.update(throughput(traj[pairs[0][0]], traj[pairs[0][1]], level, dense))
+    case.update({key: float(np.median([s[key] for s in speeds])) for key in speeds[0]})
     return case
 
 
 def throughput(base: dict, new: dict, level: int, dense: int, repeats: int = 3) -> dict:
-    """MB/s of dense model bytes on one thread; hashes of held states are known, as in use."""
+    """MB/s of dense model bytes on one thread; hashes of held states are known, as in use.
+    Beside a warm memcpy, a copy into fresh memory (what any apply that returns new tensors
+    pays at least) and the state hash alone."""
     base_hash = state_hash(base)
     targets = {n: torch.empty_like(t) for n, t in new.items()}
     for t in targets.values():
@@ -112,7 +128,8 @@ def throughput(base: dict, new: dict, level: int, dense: int, repeats: int = 3) 
         "encode_mb_s": best(lambda: encode_patch(base, new, 0, 1, level=level, base_hash=base_hash)),
         "decode_mb_s": best(lambda: apply_patch(base, patch, base_hash=base_hash)),
         "memcpy_mb_s": best(lambda: [targets[n].copy_(t) for n, t in new.items()]),
-        "sha256_mb_s": best(lambda: state_hash(new)),
+        "fresh_copy_mb_s": best(lambda: [t.clone() for t in new.values()]),
+        "hash_mb_s": best(lambda: state_hash(new)),
     }
 
 
@@ -156,22 +173,44 @@ def smollm2_cases(lrs, ks, steps, level, layers=range(0, 6)) -> list[dict]:
 def add_arguments(parser) -> None:
     parser.add_argument("--level", type=int, default=1, help="zstd level")
     parser.add_argument(
-        "--smollm2-steps", type=int, default=16, help="DG steps per lr on SmolLM2 (full mode)"
+        "--cases", nargs="+", choices=["tiny", "lora", "smollm2"], help="which trajectories (default: all)"
+    )
+    parser.add_argument(
+        "--smollm2-steps", type=int, default=24, help="DG steps per lr on SmolLM2 (full mode)"
     )
 
 
 def table(cases: list[dict]) -> str:
     head = (
         f"{'case':20} {'lr':>7} {'k':>3} {'sparsity':>9} {'ratio':>8} {'zstd':>6} {'coo':>7} "
-        f"{'enc MB/s':>9} {'dec MB/s':>9} {'memcpy':>8} {'exact':>6}"
+        f"{'enc MB/s':>9} {'dec MB/s':>9} {'memcpy':>8} {'enc/cpy':>7} {'dec/cpy':>7} {'exact':>6}"
     )
     rows = [head]
-    for c in cases:
+    for c in (c for c in cases if c["pairs"]):
+        copy = c.get("memcpy_mb_s", 1)
         rows.append(
             f"{c['name']:20} {c['lr']:7.0e} {c['k']:3d} {100 * c['sparsity']:8.2f}% {c['ratio']:8.1f} "
             f"{c['ratio_zstd_dense']:6.2f} {c['ratio_raw_coo']:7.1f} {c.get('encode_mb_s', 0):9.0f} "
-            f"{c.get('decode_mb_s', 0):9.0f} {c.get('memcpy_mb_s', 0):8.0f} {str(c['bit_identical']):>6}"
+            f"{c.get('decode_mb_s', 0):9.0f} {c.get('memcpy_mb_s', 0):8.0f} "
+            f"{c.get('encode_mb_s', 0) / copy:7.2f} {c.get('decode_mb_s', 0) / copy:7.2f} "
+            f"{str(c['bit_identical']):>6}"
         )
+    return "\n".join(rows)
+
+
+def sparse_summary(cases: list[dict], at_least: float = 0.99) -> str:
+    """The patches at least `at_least` sparse, per model: how many, and the smallest ratio."""
+    rows = []
+    for name in dict.fromkeys(c["name"] for c in cases):
+        pairs = [
+            p for c in cases if c["name"] == name for p in c.get("per_pair", []) if p["sparsity"] >= at_least
+        ]
+        if pairs:
+            worst = min(pairs, key=lambda p: p["ratio"])
+            rows.append(
+                f"{name}: {len(pairs)} patches >= {100 * at_least:g}% sparse, smallest ratio "
+                f"{worst['ratio']:.0f}x (at {100 * worst['sparsity']:.2f}%)"
+            )
     return "\n".join(rows)
 
 
@@ -181,6 +220,7 @@ def plot(cases: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    cases = [c for c in cases if c["pairs"]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for i, (name, lr) in enumerate(sorted({(c["name"], c["lr"]) for c in cases})):
         cs = sorted((c for c in cases if (c["name"], c["lr"]) == (name, lr)), key=lambda c: c["k"])
@@ -202,19 +242,24 @@ def plot(cases: list[dict], path) -> None:
 
 def main(args) -> int:
     torch.set_num_threads(1)
+    chosen = set(args.cases or (["tiny", "lora"] if args.quick else ["tiny", "lora", "smollm2"]))
     if args.quick:
         ks = [1, 4, 8]
-        cases = tiny_cases([1e-6, 1e-4], ks, 8, args.level) + lora_cases([1e-4], ks, 8, args.level)
+        cases = tiny_cases([1e-6, 1e-4], ks, 8, args.level) if "tiny" in chosen else []
+        cases += lora_cases([1e-4], ks, 8, args.level) if "lora" in chosen else []
+        cases += smollm2_cases([3e-6], [1, 2], 4, args.level) if "smollm2" in chosen else []
     else:
         ks = [1, 2, 4, 8, 16, 32]
-        cases = tiny_cases([1e-6, 3e-6, 1e-5, 1e-4], ks, 64, args.level)
-        cases += lora_cases([1e-5, 1e-4, 1e-3], ks, 64, args.level)
+        cases = tiny_cases([1e-6, 3e-6, 1e-5, 1e-4], ks, 64, args.level) if "tiny" in chosen else []
+        cases += lora_cases([1e-5, 1e-4, 1e-3], ks, 64, args.level) if "lora" in chosen else []
         ks_smol = [k for k in ks if k < args.smollm2_steps]
-        cases += smollm2_cases([1e-6, 3e-6], ks_smol, args.smollm2_steps, args.level)
+        if "smollm2" in chosen:
+            cases += smollm2_cases([1e-6, 3e-6], ks_smol, args.smollm2_steps, args.level)
     out = write_json(
         {"benchmark": "pulse", "quick": args.quick, "level": args.level, "cases": cases}, args.out
     )
     plot(cases, out.with_suffix(".png"))
     print(table(cases))
+    print(sparse_summary(cases))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

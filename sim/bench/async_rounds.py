@@ -1,6 +1,8 @@
 """`fedrl bench async`: time to a target held-out error, and bytes per client, for
 synchronous FedAvg-LoRA (whole adapter both ways), synchronous block rounds, synchronous
-parablock and asynchronous (FedBuff-style) parablock, under the `mixed-volunteers` profiles
+parablock, asynchronous (FedBuff-style) parablock, and the same with top-k uploads and error
+feedback (`--upload-density`: the uplink is sparse, and so the global changes and the
+downlink are too), under the `mixed-volunteers` profiles
 on the virtual clock. Every strategy gets the same clients, the same virtual budget and the
 same unit of work (one calibration of step_s shared by all)."""
 
@@ -21,6 +23,7 @@ STRATEGIES = {
     "block-sequential": dict(mode="block-sequential", sync=True),
     "parablock-sync": dict(mode="parablock", sync=True),
     "parablock-async": dict(mode="parablock", sync=False),
+    "parablock-async-topk": dict(mode="parablock", sync=False),  # + upload_density from the command
 }
 
 
@@ -36,6 +39,15 @@ def add_arguments(parser) -> None:
         type=float,
         default=20.0,
         help="round deadline (virtual s) for stragglers and dropouts",
+    )
+    parser.add_argument(
+        "--upload-density",
+        type=float,
+        default=0.05,
+        help="parablock-async-topk: fraction of a block's entries each upload sends",
+    )
+    parser.add_argument(
+        "--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES), help="which to run"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=["local", "ray"], default="local")
@@ -72,7 +84,11 @@ def main(args) -> int:
     out = Path(args.out)
     # each strategy's run folder (summary, report, checkpoints): a new one per invocation, nothing deleted
     runs = out.parent / f"{out.stem}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
-    for name, settings in STRATEGIES.items():
+    names = ["fedavg-lora"] + [n for n in args.strategies if n != "fedavg-lora"]  # the reference runs first
+    for name in names:
+        settings = STRATEGIES[name] | (
+            {"upload_density": args.upload_density} if name.endswith("topk") else {}
+        )
         cfg = base.replace(**settings, out_dir=str(runs / name), resume=False)
         print(f"[{name}] {clients} clients, {budget:g} virtual s")
         s = simulate(cfg, sim.replace(step_s=step_s), clients, engine=args.engine)
@@ -113,6 +129,7 @@ def main(args) -> int:
             "deadline_s": args.deadline_s,
             "step_s": step_s,
             "engine": args.engine,
+            "upload_density": args.upload_density,
             "wall_s": time.perf_counter() - start,
             "strategies": results,
         },
@@ -120,14 +137,14 @@ def main(args) -> int:
     )
     plot(results, args.target, out.with_suffix(".png"))
     print(
-        f"{'strategy':17} {'to target':>10} {'final':>6} {'kB up/client':>13} {'kB down/client':>15} "
+        f"{'strategy':20} {'to target':>10} {'final':>6} {'kB up/client':>13} {'kB down/client':>15} "
         f"{'speedup':>8} {'bytes x':>8}"
     )
     for r in results:
         t = f"{r['time_to_target_s']:.1f}s" if r["time_to_target_s"] is not None else "never"
         sp = f"{r['speedup_vs_fedavg']:.2f}x" if r["speedup_vs_fedavg"] else "-"
         print(
-            f"{r['name']:17} {t:>10} {r['final_eval']:6.3f} {r['bytes_up'] / 1e3:13.0f} "
+            f"{r['name']:20} {t:>10} {r['final_eval']:6.3f} {r['bytes_up'] / 1e3:13.0f} "
             f"{r['bytes_down'] / 1e3:15.0f} "
             f"{sp:>8} {r['bytes_ratio_vs_fedavg']:7.1f}x"
         )

@@ -1,0 +1,37 @@
+"""Top-k uploads with error feedback: send the largest entries of a block's delta, keep the rest.
+
+A client adds what it did not send last time (its residual) to this round's delta, sends the
+`density` fraction of entries largest in magnitude, and keeps the remainder for the next time
+it trains that block. What it uploads is still an exact patch: the coordinator applies exactly
+the sparse delta the patch says, and nothing is lost, only delayed (Stich et al. 2018,
+"Sparsified SGD with memory"; the same error feedback DGC and PowerSGD use).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+
+def top_k_with_feedback(
+    base: Tensors, new: Tensors, residual: Tensors, density: float
+) -> tuple[Tensors, Tensors]:
+    """(values to upload, residual to keep) for block values `new` trained from `base`.
+
+    The upload equals `base` except at the largest ceil(density * entries) entries of
+    delta = new - base + residual (ties at the threshold are all sent); the new residual is
+    exactly delta minus what was sent, so upload - base + new_residual == delta."""
+    if density >= 1.0:
+        return new, residual
+    delta = {n: new[n] - base[n] + residual.get(n, torch.zeros_like(new[n])) for n in new}
+    magnitudes = torch.cat([d.abs().reshape(-1) for d in delta.values()])
+    k = max(1, math.ceil(density * magnitudes.numel()))
+    threshold = torch.topk(magnitudes, k, sorted=False).values.min()
+    upload, kept = {}, dict(residual)
+    for n, d in delta.items():
+        upload[n] = torch.where(d.abs() >= threshold, base[n] + d, base[n])
+        kept[n] = d - (upload[n] - base[n])  # exact in what was sent, rounding included
+    return upload, kept
