@@ -4,8 +4,8 @@ Flower keeps `context.state` in the SuperNode's memory: a node that crashes, reb
 withdrawn loses it. A node with a state directory also keeps the state in one safetensors
 file (held global adapter, local copy, pending delta, the residual of top-k uploads, their
 versions), written atomically after every message: it rejoins holding version v and syncs
-by patches from v. The file is
-bound to the patch store it came from; another federation's state is ignored.
+by patches from v. The file is bound to the patch store it came from; another federation's
+state is ignored.
 """
 
 from __future__ import annotations

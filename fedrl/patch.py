@@ -260,7 +260,7 @@ def encode_values(
         return "sign", "bit", np.packbits(z == 2, bitorder="little").tobytes(), b""
     full = new_vals.dtype
     best = ("raw", full.name, z.size * full.itemsize, None)
-    for width in (np.uint8, np.uint16, np.uint32)[: {1: 0, 2: 1, 4: 2, 8: 3}[full.itemsize]]:
+    for width in (w for w in _WIDTHS if np.dtype(w).itemsize < full.itemsize):
         escaped = z >= np.iinfo(width).max
         size = z.size * np.dtype(width).itemsize + int(np.count_nonzero(escaped)) * full.itemsize
         if size < best[2]:
@@ -426,10 +426,8 @@ _SECTIONS = {
     "dense": ("values",),
     "sparse": ("index", "index_escapes", "values", "value_escapes"),
 }
-_INDEX_WIDTHS = {np.dtype(w).name for w in _WIDTHS}
-_VALUE_FORMS = {("sign", "bit")} | {
-    (kind, width) for kind in ("delta", "raw") for width in ("uint8", "uint16", "uint32", "uint64")
-}
+_WIDTH_NAMES = {np.dtype(w).name for w in _WIDTHS}
+_VALUE_FORMS = {("sign", "bit")} | {(kind, width) for kind in ("delta", "raw") for width in _WIDTH_NAMES}
 
 
 def _is_int(x) -> bool:
@@ -473,7 +471,7 @@ def _check_header(raw) -> PatchHeader:
                 e["mode"] != "sparse"
                 or (
                     (str(e.get("values_as")), str(e.get("value_width"))) in _VALUE_FORMS
-                    and str(e.get("index_width")) in _INDEX_WIDTHS
+                    and str(e.get("index_width")) in _WIDTH_NAMES
                 )
             )
         )

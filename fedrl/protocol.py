@@ -28,6 +28,13 @@ def check_json(text: str, what: str) -> None:
         raise ValueError(f"{what} must be JSON, got {text[:60]!r}") from None
 
 
+def check_upload_density(density: float, mode: str) -> None:
+    if not 0 < density <= 1 or (density < 1 and mode == "fedavg-lora"):
+        raise ValueError(
+            f"upload_density must be in (0, 1] (1 for fedavg-lora, which sends whole adapters); got {density}"
+        )
+
+
 class LearnerSettings(Schema):
     """What a run trains: its model, adapter and learner. Every instruction carries them, and so
     does an invite (a volunteer's probe measures the real learner step)."""
@@ -71,8 +78,7 @@ class TrainInstruction(LearnerSettings):
             raise ValueError(f"unknown action {self.action!r} or mode {self.mode!r}")
         if self.steps < 0 or self.version < 0 or self.client_id < 0:
             raise ValueError("steps, version and client_id must be >= 0")
-        if not 0 < self.upload_density <= 1 or (self.upload_density < 1 and self.mode == "fedavg-lora"):
-            raise ValueError(f"upload_density {self.upload_density} must be in (0, 1], and 1 for fedavg-lora")
+        check_upload_density(self.upload_density, self.mode)
         if min(self.num_blocks, self.prompts, self.samples, self.data_shards) < 1:
             raise ValueError("num_blocks, prompts, samples and data_shards must be >= 1")
         if not -1 <= self.block < self.num_blocks or (self.block == -1) != (self.mode == "fedavg-lora"):

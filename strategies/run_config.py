@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import model_validator
 
-from fedrl.protocol import MODES, check_json
+from fedrl.protocol import MODES, check_json, check_upload_density
 from fedrl.schema import Schema
 
 
@@ -74,11 +74,7 @@ class RunConfig(Schema):
             raise ValueError("versions, buffer_size, min_nodes, eval_every and num_blocks must be >= 1")
         if min(self.max_time_s, self.data_shards, self.clip_norm, self.target_error, self.gate_probe) < 0:
             raise ValueError("max_time_s, data_shards, clip_norm, target_error and gate_probe must be >= 0")
-        if not 0 < self.upload_density <= 1 or (self.upload_density < 1 and self.mode == "fedavg-lora"):
-            raise ValueError(
-                f"upload_density must be in (0, 1] (1 for fedavg-lora, which sends whole adapters); "
-                f"got {self.upload_density}"
-            )
+        check_upload_density(self.upload_density, self.mode)
         if not 0 <= self.gate_tolerance <= 1:
             raise ValueError(f"gate_tolerance is a drop in mean reward, in [0, 1]; got {self.gate_tolerance}")
         if not -1 <= self.monitor_port <= 65535:

@@ -45,6 +45,8 @@ def test_instruction_round_trip_and_validation():
         TrainInstruction.parse(_instruction(mode="gossip"))
     with pytest.raises(SchemaError, match="JSON"):
         TrainInstruction.parse(_instruction(task_params="{not json"))
+    with pytest.raises(SchemaError, match="upload_density must be in"):
+        TrainInstruction.parse(_instruction(upload_density=-0.5))  # a malformed message, not a crash later
     with pytest.raises(SchemaError, match="profile: Extra inputs are not permitted"):
         TrainInstruction.parse(_instruction(profile="{}"))  # simulated traits do not travel in the protocol
 
@@ -96,3 +98,10 @@ def test_run_config_from_flower_style_keys_and_errors():
         RunConfig.from_mapping({"versions": 0})
     with pytest.raises(SchemaError, match="sync: Input should be a valid boolean"):
         RunConfig.from_mapping({"sync": "yes"})
+    for bad in (
+        {"upload-density": 0.0},
+        {"upload-density": 1.5},
+        {"mode": "fedavg-lora", "upload-density": 0.1},
+    ):
+        with pytest.raises(SchemaError, match="upload_density must be in"):
+            RunConfig.from_mapping(bad)
