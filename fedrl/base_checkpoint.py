@@ -1,8 +1,11 @@
-"""The tiny model's base checkpoint: fedrl's own short supervised pretraining.
+"""The tiny models' base checkpoints: fedrl's own short supervised pretraining.
 
-An easier variant of token reversal (prompts of 2..7 symbols), trained with
-cross-entropy for a fixed budget, gives a model that reverses short strings and only
-partly generalises to the RL task's longer ones: RL has something real to improve.
+An easier variant of token reversal, trained with cross-entropy for a fixed budget, gives a
+model that only partly solves the RL task: RL has something real to improve.
+- `tiny-base` (the Llama, rotary positions): prompts of 2..7 symbols; it reverses short strings
+  and partly generalises to the RL task's longer ones.
+- `tiny-gpt-base` (learned positions): a position it never saw keeps its random embedding, and a
+  LoRA adapter cannot change embeddings; so it sees every length up to 8, for a shorter budget.
 Deterministic from the recipe (seeded, single-threaded), built once and cached.
 """
 
@@ -16,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedrl.models import LoadedModel, cache_dir, publish_dir, tiny_config, tiny_model
-from fedrl.tokenizer import CharTokenizer
+from fedrl.models import TINY_MODELS, LoadedModel, cache_dir, publish_dir
 
 
 @dataclass(frozen=True)
 class BaseRecipe:
+    model: str = "tiny"  # which of fedrl.models.TINY_MODELS
     seed: int = 0
     min_length: int = 2
     max_length: int = 7
@@ -32,7 +35,7 @@ class BaseRecipe:
 
     def digest(self) -> str:
         """Names the cached checkpoint: changes with the recipe and with the tiny architecture."""
-        arch = tiny_config(CharTokenizer().vocab_size).to_json_string()
+        arch = TINY_MODELS[self.model](self.seed).model.config.to_json_string(use_diff=False)
         return hashlib.sha256((json.dumps(asdict(self), sort_keys=True) + arch).encode()).hexdigest()[:12]
 
 
@@ -59,7 +62,7 @@ def supervised_batch(
 
 
 def pretrain(recipe: BaseRecipe = BaseRecipe()) -> LoadedModel:
-    lm = tiny_model(seed=recipe.seed)
+    lm = TINY_MODELS[recipe.model](seed=recipe.seed)
     model = lm.model.train()
     rng = np.random.default_rng(recipe.seed)
     threads = torch.get_num_threads()
@@ -82,15 +85,21 @@ def pretrain(recipe: BaseRecipe = BaseRecipe()) -> LoadedModel:
     finally:
         torch.set_num_threads(threads)
     lm.model = model.eval()
-    lm.spec = "tiny-base"
+    lm.spec = f"{recipe.model}-base"
     return lm
 
 
-def tiny_base_dir(recipe: BaseRecipe = BaseRecipe()) -> Path:
+BASES = {
+    "tiny-base": BaseRecipe(),
+    "tiny-gpt-base": BaseRecipe(model="tiny-gpt", max_length=8, steps=100),
+}
+
+
+def base_dir(recipe: BaseRecipe) -> Path:
     """The cached base checkpoint for `recipe`, pretrained on first use (seconds)."""
 
     def build(tmp: Path) -> None:
         pretrain(recipe).save(tmp)
         (tmp / "fedrl_recipe.json").write_text(json.dumps(asdict(recipe), indent=1))
 
-    return publish_dir(build, cache_dir() / f"tiny-base-{recipe.digest()}")
+    return publish_dir(build, cache_dir() / f"{recipe.model}-base-{recipe.digest()}")

@@ -63,5 +63,5 @@ def lm_update(learner: Learner, model, batch: Rollouts) -> dict:
     """Recompute the learner's token log-probs on a scored rollout batch and take one step."""
     if batch.rewards is None:
         raise ValueError("score the rollouts before learning from them")
-    logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.allowed)
+    logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.allowed, batch.answer_start)
     return learner.update(PGBatch(logp, batch.rewards, batch.group, batch.answer_mask, batch.behaviour_logp))

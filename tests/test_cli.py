@@ -2,22 +2,18 @@ import json
 import subprocess
 import sys
 
-
-def run(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "fedrl.cli", *args], capture_output=True, text=True, timeout=300
-    )
+from cli_process import run_fedrl
 
 
 def test_help_lists_subcommands():
-    out = run("--help")
+    out = run_fedrl("--help")
     assert out.returncode == 0
     for name in ("models", "prepare", "eval", "sim", "bench"):
         assert name in out.stdout
 
 
 def test_eval_prints_json_metric():
-    out = run(
+    out = run_fedrl(
         "eval",
         "--model",
         "tiny-base",
@@ -34,14 +30,14 @@ def test_eval_prints_json_metric():
 
 
 def test_bad_task_is_a_clear_error():
-    out = run("eval", "--task", "chess")
+    out = run_fedrl("eval", "--task", "chess")
     assert out.returncode == 2 and "unknown task" in out.stderr
 
 
 def test_sim_lists_scenarios_and_refuses_unknown_ones_clearly():
-    out = run("sim", "--list")
+    out = run_fedrl("sim", "--list")
     assert out.returncode == 0 and "mixed-volunteers" in out.stdout and "default" in out.stdout
-    out = run("sim", "--scenario", "atlantis")
+    out = run_fedrl("sim", "--scenario", "atlantis")
     assert out.returncode == 2 and "unknown scenario 'atlantis'" in out.stderr
 
 
@@ -56,7 +52,7 @@ def test_help_imports_no_heavy_module():
 
 
 def test_a_wrong_override_type_is_one_line():
-    out = run("sim", "--set", "versions=many")
+    out = run_fedrl("sim", "--set", "versions=many")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert (
         "versions: Input should be a valid integer" in out.stderr

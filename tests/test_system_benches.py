@@ -68,3 +68,58 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
     assert (keep / "precious.txt").read_text() == "mine"
     assert (keep / "bench-async.json").exists() and len(set(runs)) == len(async_rounds.STRATEGIES)
     assert all(run.startswith(str(keep / "bench-async-runs-")) for run in runs)  # a new folder of its own
+
+
+def test_friction_profiles_make_the_asked_shares_buggy_and_noisy():
+    import json
+
+    from fedrl.sim.bench.methods import friction_profiles
+
+    profiles = json.loads(friction_profiles(8, buggy=0.25, noisy=0.25, strength=0.3, seed=0))
+    assert sum(p["bug_prob"] == 0.3 for p in profiles) == 2
+    assert sum(p["reward_noise_prob"] == 0.3 for p in profiles) == 2
+    assert not any(p["bug_prob"] and p["reward_noise_prob"] for p in profiles)
+    assert len({p["speed"] for p in profiles}) > 4  # still the heterogeneous mixed-volunteers mix
+
+
+def test_samples_to_target_counts_every_step_the_clients_ran_before_the_eval():
+    from fedrl.sim.bench.methods import samples_curve, samples_to_target
+
+    summary = {
+        "config": {"prompts": 2, "samples": 3},
+        "events": [
+            {"kind": "reply", "t": 1.0, "steps": 4},
+            {"kind": "eval", "t": 1.5},
+            {"kind": "reply", "t": 2.0, "steps": 2},
+            {"kind": "reply", "t": 3.0, "steps": 5},
+        ],
+        "evals": [{"t": 0.0, "error": 0.8}, {"t": 2.0, "error": 0.5}, {"t": 3.5, "error": 0.2}],
+    }
+    curve = samples_curve(summary)
+    assert curve == [(0.0, 0, 0.8), (2.0, 36, 0.5), (3.5, 66, 0.2)]
+    assert samples_to_target(curve, 0.3) == 66 and samples_to_target(curve, 0.1) is None
+
+
+def test_bench_methods_runs_the_real_federation_per_method(tmp_path):
+    import json
+
+    from cli_process import run_fedrl
+
+    out = tmp_path / "methods.json"
+    args = ["--quick", "--methods", "dg", "ppo", "--clients", "4", "--budget-s", "3", "--target", "0.01"]
+    done = run_fedrl("bench", "methods", *args, "--out", str(out), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["method"] for r in data["runs"]] == ["dg", "ppo"]
+    for run in data["runs"]:
+        assert run["samples"] > 0 and run["curve"][0][1] == 0 and 0 <= run["best_eval"] <= 1
+        summary = json.loads(
+            (
+                tmp_path
+                / next(tmp_path.glob("methods-runs-*")).name
+                / f"{run['method']}-seed0"
+                / "summary.json"
+            ).read_text()
+        )
+        assert summary["config"]["method"] == run["method"] and summary["config"]["model"] == "tiny-gpt-base"
+    assert set(data["summary"]) == {"dg", "ppo"} and out.with_suffix(".png").exists()

@@ -1,8 +1,10 @@
 """`fedrl bench dg`: DG against REINFORCE, IW-PG, PPO and decoupled PPO under frictions.
 
-Token reversal (H=10, M=2) with the tiny transformer trained from scratch, 10 prompts x 10
-samples per step, Adam 3e-4; and digits as a contextual bandit (MLP width 100, batch 100)
-with the actor's weights D steps stale. Friction strengths follow DESIGN.md §4.2.
+Token reversal (H=10, M=2) with the tiny GPT trained from scratch (learned positions, as the
+papers' model; `--model tiny` runs the rotary-position Llama instead, which learns reversal
+about 3x slower), 10 prompts x 10 samples per step, Adam 3e-4; and digits as a contextual
+bandit (MLP width 100, batch 100) with the actor's weights D steps stale. Friction strengths
+follow DESIGN.md §4.2.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from fedrl.bench.common import run_cases, write_json
 from fedrl.frictions import Actor, Frictions, StalenessBuffer
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.losses import LOSSES, PGBatch
-from fedrl.models import tiny_model
+from fedrl.models import TINY_MODELS
 from fedrl.rollout import greedy_error
 from fedrl.tasks import DigitsBandit, ReversalTask
 
@@ -36,26 +38,30 @@ PROMPTS, SAMPLES = 10, 10
 
 def run_reversal(case: dict) -> dict:
     """One learner from scratch; greedy sequence error on all 1,024 prompts along the way."""
-    seed, steps = case["seed"], case["steps"]
+    seed, steps, make_model = case["seed"], case["steps"], TINY_MODELS[case["model"]]
     task = ReversalTask(length=10, num_symbols=2, reward_kind="first_error")
-    learner_lm = tiny_model(seed, alphabet="01")
-    actor_lm = tiny_model(seed, alphabet="01")
+    learner_lm = make_model(seed, alphabet="01")
+    actor_lm = make_model(seed, alphabet="01")
     learner = Learner(list(learner_lm.model.parameters()), LearnerConfig(case["method"], lr=3e-4))
     actor = Actor(actor_lm, task, SCENARIOS[case["scenario"]], seed=seed + 1)
     rng = np.random.default_rng(seed)
     actor.sync(dict(learner_lm.model.named_parameters()), 0)
-    curve, start = [], time.perf_counter()
+    curve, start, train_s = [], time.perf_counter(), 0.0
     for step in range(1, steps + 1):
+        tick = time.perf_counter()
         batch = actor.collect(task.sample(PROMPTS, rng), SAMPLES)
         lm_update(learner, learner_lm.model, batch)
         actor.sync(dict(learner_lm.model.named_parameters()), step)
+        train_s += time.perf_counter() - tick
         if step % case["eval_every"] == 0 or step == steps:
             curve.append([step * PROMPTS * SAMPLES, greedy_error(learner_lm, task)])
     return {
         **_meta(case, "reversal"),
+        "model": case["model"],
         "episodes": steps * PROMPTS * SAMPLES,
         "final_error": curve[-1][1],
         "curve": curve,
+        "step_s": train_s / steps,  # one learner step: sample 10x10, score, frictions, update, sync
         "wall_s": time.perf_counter() - start,
     }
 
@@ -116,7 +122,9 @@ def run_case(case: dict) -> dict:
     return run_reversal(case) if case["task"] == "reversal" else run_digits(case)
 
 
-def plan(quick: bool, steps: int | None, seeds: int | None, digits_steps: int | None) -> list[dict]:
+def plan(
+    quick: bool, steps: int | None, seeds: int | None, digits_steps: int | None, model: str = "tiny-gpt"
+) -> list[dict]:
     scenarios = ["all"] if quick else list(SCENARIOS)
     steps = steps or (60 if quick else 1000)
     seeds = seeds or (1 if quick else 3)
@@ -125,6 +133,7 @@ def plan(quick: bool, steps: int | None, seeds: int | None, digits_steps: int | 
     cases = [
         {
             "task": "reversal",
+            "model": model,
             "scenario": s,
             "method": m,
             "seed": seed,
@@ -147,28 +156,44 @@ def plan(quick: bool, steps: int | None, seeds: int | None, digits_steps: int | 
     return cases
 
 
+def runs_of(results: list[dict], task: str, scenario: str, method: str) -> list[dict]:
+    return [r for r in results if (r["task"], r["scenario"], r["method"]) == (task, scenario, method)]
+
+
 def table(results: list[dict]) -> str:
-    """Mean final error per (task, scenario) row and method column."""
+    """Final error per (task, scenario) row and method column: mean over seeds [min-max]."""
     rows = sorted({(r["task"], r["scenario"]) for r in results})
-    lines = [f"{'task':9} {'scenario':15} " + " ".join(f"{m:>13}" for m in METHODS)]
+    lines = [f"{'task':9} {'scenario':15} " + " ".join(f"{m:>20}" for m in METHODS)]
     for task, scenario in rows:
         cells = []
         for m in METHODS:
-            errs = [
-                r["final_error"]
-                for r in results
-                if (r["task"], r["scenario"], r["method"]) == (task, scenario, m)
-            ]
-            cells.append(f"{100 * np.mean(errs):12.1f}%" if errs else f"{'-':>13}")
+            errs = [100 * r["final_error"] for r in runs_of(results, task, scenario, m)]
+            cell = f"{np.mean(errs):.1f}% [{min(errs):.1f}-{max(errs):.1f}]" if errs else "-"
+            cells.append(f"{cell:>20}")
         lines.append(f"{task:9} {scenario:15} " + " ".join(cells))
     return "\n".join(lines)
 
 
+def speed(results: list[dict]) -> dict:
+    """Seconds per reversal learner step (eval excluded), over every reversal run."""
+    steps = [r["step_s"] for r in results if r["task"] == "reversal"]
+    if not steps:
+        return {}
+    return {
+        "reversal_step_s_median": float(np.median(steps)),
+        "reversal_step_s_min": float(min(steps)),
+        "reversal_steps_per_s": 1 / float(np.median(steps)),
+        "threads_per_run": 1,
+    }
+
+
 def plot(results: list[dict], path) -> None:
+    """Greedy error vs episodes, one panel per (task, scenario): mean over seeds, range shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter
 
     panels = sorted({(r["task"], r["scenario"]) for r in results})
     cols = min(4, len(panels))
@@ -176,15 +201,20 @@ def plot(results: list[dict], path) -> None:
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
     for ax, (task, scenario) in zip(axes.flat, panels):
         for i, m in enumerate(METHODS):
-            runs = [r for r in results if (r["task"], r["scenario"], r["method"]) == (task, scenario, m)]
-            for j, r in enumerate(runs):
-                xs, ys = zip(*r["curve"])
-                ax.plot(xs, ys, color=f"C{i}", alpha=0.8, label=m if j == 0 else None)
+            runs = runs_of(results, task, scenario, m)
+            if not runs:
+                continue
+            xs = [x for x, _ in runs[0]["curve"]]
+            ys = np.array([[y for _, y in r["curve"]] for r in runs])
+            ax.plot(xs, ys.mean(0), color=f"C{i}", label=f"{m} ({len(runs)} seeds)")
+            if len(runs) > 1:
+                ax.fill_between(xs, ys.min(0), ys.max(0), color=f"C{i}", alpha=0.15, lw=0)
         ax.set_title(f"{task}: {scenario}")
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 50k, not 50000 run into its neighbours
         ax.set_xlabel("episodes")
         ax.set_ylabel("greedy error")
         ax.set_ylim(-0.02, 1.02)
-    axes.flat[0].legend(fontsize=8)
+    axes.flat[0].legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.tight_layout()
@@ -198,12 +228,19 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--digits-steps", type=int, help="digits bandit steps per run (default 3000; quick 200)"
     )
+    parser.add_argument(
+        "--model",
+        choices=sorted(TINY_MODELS),
+        default="tiny-gpt",
+        help="reversal model from scratch (default tiny-gpt: learned positions, as the papers' model)",
+    )
 
 
 def main(args) -> int:
-    cases = plan(args.quick, args.steps, args.seeds, args.digits_steps)
+    cases = plan(args.quick, args.steps, args.seeds, args.digits_steps, args.model)
     start = time.perf_counter()
     results = run_cases(run_case, cases, args.workers, "bench dg")
+    learner_speed = speed(results)
     out = write_json(
         {
             "benchmark": "dg",
@@ -212,16 +249,20 @@ def main(args) -> int:
             "scenarios": {k: asdict(v) for k, v in SCENARIOS.items()},
             "setup": {
                 "reversal": (
-                    "H=10 M=2, tiny Llama 3 layers d=64 from scratch, 10x10 per step, Adam 3e-4, "
+                    f"H=10 M=2, {args.model} 3 layers d=64 from scratch, 10x10 per step, Adam 3e-4, "
                     "reward to first error"
                 ),
                 "digits": "MLP 64-100-10, batch 100, Adam 1e-3, actor weights D steps stale",
             },
+            "speed": learner_speed,
             "results": results,
         },
         args.out,
     )
     plot(results, out.with_suffix(".png"))
     print(table(results))
+    if learner_speed:
+        median = learner_speed["reversal_step_s_median"]
+        print(f"learner: {median:.4f} s per reversal step (median, one thread per run)")
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
