@@ -204,17 +204,17 @@ def smollm2_dir() -> Path:
 
 
 def load_model(spec: str, seed: int = 0) -> LoadedModel:
+    from fedrl.base_checkpoint import BASES, base_dir
+
     if spec in TINY_MODELS:
         return TINY_MODELS[spec](seed)
-    if spec in ("tiny-base", "tiny-gpt-base"):
-        from fedrl.base_checkpoint import BASES, base_dir
-
+    if spec in BASES:
         return load_local(base_dir(BASES[spec]), spec)
     if spec == "smollm2-135m":
         return load_local(smollm2_dir(), spec)
     if Path(spec).is_dir():
         return load_local(spec)
     raise ValueError(
-        f"unknown model {spec!r}: use {', '.join([*TINY_MODELS, 'tiny-base', 'tiny-gpt-base'])}, "
+        f"unknown model {spec!r}: use {', '.join([*TINY_MODELS, *BASES])}, "
         "smollm2-135m or a local model directory"
     )

@@ -57,33 +57,50 @@ def time_to_target(evals: list[dict], target: float) -> float | None:
     return next((e["t"] for e in evals if e["error"] <= target), None)
 
 
-def main(args) -> int:
-    clients = args.clients or (6 if args.quick else 12)
-    budget = args.budget_s or (12.0 if args.quick else 300.0)
-    sim = SimConfig(profiles=args.profile, clock="virtual")
-    base = RunConfig(
-        model="tiny-base",
+def bench_run_config(clients: int, budget: float, target: float, quick: bool, **settings) -> RunConfig:
+    """What the federated benchmarks share: reversal H=8 from a base, every client needed, no
+    version or stall limit; a run stops at the target error or after `budget` virtual seconds."""
+    return RunConfig(
         task="reversal",
-        task_params=json.dumps({"length": 8, "num_eval": 64 if args.quick else 256}),
-        prompts=4 if args.quick else 8,
-        samples=4 if args.quick else 8,
-        lr=5e-4,
+        task_params=json.dumps({"length": 8, "num_eval": 64 if quick else 256}),
+        prompts=4 if quick else 8,
+        samples=4 if quick else 8,
         versions=10_000,
         max_time_s=budget,
         buffer_size=max(2, clients // 2),
         max_staleness=8,
+        min_nodes=clients,
+        stall_replies=10_000,
+        target_error=target,
+        **settings,
+    )
+
+
+def runs_dir(out: str | Path) -> Path:
+    """Where each run's folder (summary, report, checkpoints) goes: a new one per invocation,
+    beside the JSON; nothing is deleted."""
+    out = Path(out)
+    return out.parent / f"{out.stem}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def main(args) -> int:
+    clients = args.clients or (6 if args.quick else 12)
+    budget = args.budget_s or (12.0 if args.quick else 300.0)
+    sim = SimConfig(profiles=args.profile, clock="virtual")
+    base = bench_run_config(
+        clients,
+        budget,
+        args.target,
+        args.quick,
+        model="tiny-base",
+        lr=5e-4,
         deadline_s=args.deadline_s,
         eval_every=2 if args.quick else 1,
-        min_nodes=clients,
         seed=args.seed,
-        stall_replies=10_000,
-        target_error=args.target,  # a strategy stops once it reaches the target
     )
     start = time.perf_counter()
     results, step_s = [], 0.0
-    out = Path(args.out)
-    # each strategy's run folder (summary, report, checkpoints): a new one per invocation, nothing deleted
-    runs = out.parent / f"{out.stem}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
+    runs = runs_dir(args.out)
     names = ["fedavg-lora"] + [n for n in args.strategies if n != "fedavg-lora"]  # the reference runs first
     for name in names:
         settings = STRATEGIES[name] | (

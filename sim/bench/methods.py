@@ -16,12 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from fedrl.bench.common import write_json
-from fedrl.sim.bench.async_rounds import time_to_target
+from fedrl.sim.bench.async_rounds import bench_run_config, runs_dir, time_to_target
 from fedrl.sim.profiles import mix
 from fedrl.sim.report import write_report
 from fedrl.sim.runner import simulate
 from fedrl.sim.simulated_server import SimConfig
-from fedrl.strategies.run_config import RunConfig
 
 METHODS = ("dg", "ppo", "reinforce")
 
@@ -84,27 +83,10 @@ def main(args) -> int:
     clients = args.clients or (4 if args.quick else 8)
     budget = args.budget_s or (10.0 if args.quick else 60.0)
     seeds = args.seeds or (1 if args.quick else 3)
-    base = RunConfig(
-        model=args.model,
-        task="reversal",
-        task_params=json.dumps({"length": 8, "num_eval": 64 if args.quick else 256}),
-        mode="parablock",
-        sync=False,
-        prompts=4 if args.quick else 8,
-        samples=4 if args.quick else 8,
-        lr=args.lr,
-        versions=10_000,
-        max_time_s=budget,
-        buffer_size=max(2, clients // 2),
-        max_staleness=8,
-        deadline_s=20.0,
-        eval_every=1,
-        min_nodes=clients,
-        stall_replies=10_000,
-        target_error=args.target,  # a run stops once it reaches the target
+    base = bench_run_config(
+        clients, budget, args.target, args.quick, model=args.model, lr=args.lr, deadline_s=20.0, eval_every=1
     )
-    out = Path(args.out)
-    runs = out.parent / f"{out.stem}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
+    runs = runs_dir(args.out)
     start, step_s, results = time.perf_counter(), 0.0, []
     for seed in range(seeds):
         profiles = friction_profiles(clients, args.buggy, args.noisy, args.strength, seed)
