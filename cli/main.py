@@ -35,7 +35,7 @@ def cmd_prepare(args) -> int:
 
 def cmd_eval(args) -> int:
     from fedrl.models import load_model
-    from fedrl.rollout import greedy_error
+    from fedrl.rollout import greedy_eval
     from fedrl.tasks import get_task
 
     lm = load_model(args.model)
@@ -46,13 +46,15 @@ def cmd_eval(args) -> int:
     task = get_task(args.task, **json.loads(args.task_params))
     problems = task.eval_problems()[: args.limit or None]
     start = time.perf_counter()
-    error = greedy_error(lm, task, problems, batch_size=args.batch_size)
+    evaluation = greedy_eval(lm, task, problems, batch_size=args.batch_size)
     result = {
         "model": args.model,
+        "adapter": args.adapter,
         "task": task.name,
         "problems": len(problems),
-        "greedy_error": error,
-        "greedy_accuracy": 1 - error,
+        "greedy_error": evaluation["error"],
+        "greedy_accuracy": 1 - evaluation["error"],
+        **({"format_error": evaluation["format_error"]} if "format_error" in evaluation else {}),
         "seconds": round(time.perf_counter() - start, 1),
     }
     print(json.dumps(result))
@@ -307,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default runs/sim-TIMESTAMP)")
     p.add_argument(
         "--set",
-        nargs="*",
+        nargs="+",
+        action="extend",
         metavar="KEY=VALUE",
         help="run config overrides, e.g. mode=block-sequential sync=true",
     )
@@ -363,7 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="runs/deploy-local", help="certs, logs, state and results go here")
     p.add_argument("--port", type=int, default=0, help="the SuperLink's port (default: a free one)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up on the run after this many s")
-    p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="run config overrides, e.g. versions=8")
+    p.add_argument(
+        "--set", nargs="+", action="extend", metavar="KEY=VALUE", help="run config overrides, e.g. versions=8"
+    )
     p.set_defaults(func=cmd_deploy)
 
     p.add_argument("--volunteers", action="store_true", help="local: DIR/invite.txt, approve keys")
@@ -379,7 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--valid-days", type=float, default=30.0, help="the invite enrolls keys this long (default 30)"
     )
-    p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="learner settings, e.g. model=tiny")
+    p.add_argument(
+        "--set", nargs="+", action="extend", metavar="KEY=VALUE", help="learner settings, e.g. model=tiny"
+    )
     p.set_defaults(func=cmd_invite)
 
     p = sub.add_parser("approve", help="register enrolled volunteer keys with the SuperLink")

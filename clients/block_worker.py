@@ -235,7 +235,8 @@ def train_steps(
     lm, part = adapter.lm, adapter.part
     part.set_all(lm.model, local)
     base = {n: local[n].clone() for n in names}
-    learner = Learner(part.make_trainable(lm.model, instr.block), LearnerConfig(instr.method, lr=instr.lr))
+    config = LearnerConfig(instr.method, lr=instr.lr, micro_batch=instr.micro_batch)
+    learner = Learner(part.make_trainable(lm.model, instr.block), config)
     task = get_task(instr.task, **json.loads(instr.task_params)).client_split(instr.data_shards, instr.shard)
     rng = np.random.default_rng([instr.seed, instr.client_id, instr.round])
     gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
@@ -243,7 +244,8 @@ def train_steps(
     compute_start = time.perf_counter()
     for _ in range(instr.steps):
         step_start = time.perf_counter()
-        batch = rollout(lm, task, task.sample(instr.prompts, rng), instr.samples, generator=gen)
+        problems = task.sample(instr.prompts, rng)
+        batch = rollout(lm, task, problems, instr.samples, generator=gen, temperature=instr.temperature)
         runtime.perturb_rollouts(batch, lm, task, rng)
         score(task, batch)
         runtime.perturb_rewards(batch.rewards, rng)

@@ -5,6 +5,7 @@ Hyperparameters live in `LearnerConfig`; the loss is picked by name from fedrl.l
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,10 +21,14 @@ class LearnerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float | None = 1.0
     loss_params: dict = field(default_factory=dict)  # e.g. {"eta": 1.0}, {"eps": 0.2}, {"cap": 5.0}
+    # rows per backward pass (whole prompt groups; 0: the whole batch): the same step in less memory
+    micro_batch: int = 0
 
     def __post_init__(self):
         if self.method not in LOSSES:
             raise ValueError(f"unknown method {self.method!r}; known: {sorted(LOSSES)}")
+        if self.micro_batch < 0:
+            raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
 
 
 class Learner:
@@ -39,29 +44,73 @@ class Learner:
         self.steps = 0
 
     def update(self, batch: PGBatch) -> dict:
-        loss, metrics = self.loss_fn(batch, **self.config.loss_params)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite {self.config.method} loss {loss.item()}; update skipped")
+        return self.accumulate_and_step([batch], float(batch.mask.sum()))
+
+    def accumulate_and_step(self, parts: Iterable[PGBatch], tokens: float) -> dict:
+        """One optimizer step on a batch given as `parts` (built lazily, so one part's activations
+        are alive at a time). Each part's token-mean loss is weighted by its share of the batch's
+        `tokens` scored tokens: the gradient is the whole batch's token-mean loss's."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        shares, metrics, rewards, surprisals = [], [], [], []
+        for part in parts:
+            loss, extra = self.loss_fn(part, **self.config.loss_params)
+            if not torch.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(
+                    f"non-finite {self.config.method} loss {loss.item()}; update skipped"
+                )
+            shares.append(float(part.mask.sum()) / max(tokens, 1.0))
+            (loss * shares[-1]).backward()
+            metrics.append({"loss": loss.item(), **extra})
+            rewards.append(part.rewards.float())
+            surprisals.append(-part.logp.detach()[part.mask.bool()])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm or float("inf"))
         self.optimizer.step()
         self.steps += 1
-        mask = batch.mask.bool()
-        surprisal = -batch.logp.detach()[mask]
+        surprisal = torch.cat(surprisals)
         return {
-            "loss": loss.item(),
-            "reward": batch.rewards.float().mean().item(),
+            **{k: sum(w * m[k] for w, m in zip(shares, metrics)) for k in metrics[0]},
+            "reward": torch.cat(rewards).mean().item(),
             "surprisal_mean": surprisal.mean().item() if surprisal.numel() else 0.0,
             "surprisal_max": surprisal.max().item() if surprisal.numel() else 0.0,
             "grad_norm": float(grad_norm),
-            **metrics,
         }
 
 
+def micro_batches(group: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Row indices in consecutive chunks of whole prompt groups, at most `size` rows each where a
+    group fits (a group's advantage needs all its rows); size 0: one chunk."""
+    rows = torch.arange(len(group))
+    if size <= 0 or size >= len(group):
+        return [rows]
+    _, counts = torch.unique_consecutive(group, return_counts=True)
+    chunks, current = [], []
+    for group_rows in rows.split(counts.tolist()):
+        if current and sum(map(len, current)) + len(group_rows) > size:
+            chunks.append(torch.cat(current))
+            current = []
+        current.append(group_rows)
+    return [*chunks, torch.cat(current)]
+
+
 def lm_update(learner: Learner, model, batch: Rollouts) -> dict:
-    """Recompute the learner's token log-probs on a scored rollout batch and take one step."""
+    """Recompute the learner's token log-probs on a scored rollout batch and take one step
+    (in micro-batches of whole prompt groups when the learner is configured so)."""
     if batch.rewards is None:
         raise ValueError("score the rollouts before learning from them")
-    logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.allowed, batch.answer_start)
-    return learner.update(PGBatch(logp, batch.rewards, batch.group, batch.answer_mask, batch.behaviour_logp))
+
+    def part(rows: torch.Tensor) -> PGBatch:
+        logp = token_logprobs(
+            model,
+            batch.input_ids[rows],
+            batch.attention_mask[rows],
+            batch.allowed,
+            batch.answer_start,
+            batch.temperature,
+        )
+        return PGBatch(
+            logp, batch.rewards[rows], batch.group[rows], batch.answer_mask[rows], batch.behaviour_logp[rows]
+        )
+
+    chunks = micro_batches(batch.group, learner.config.micro_batch)
+    return learner.accumulate_and_step((part(rows) for rows in chunks), float(batch.answer_mask.sum()))

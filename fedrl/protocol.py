@@ -35,6 +35,11 @@ def check_upload_density(density: float, mode: str) -> None:
         )
 
 
+def check_temperature(temperature: float) -> None:
+    if not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+
+
 class LearnerSettings(Schema):
     """What a run trains: its model, adapter and learner. Every instruction carries them, and so
     does an invite (a volunteer's probe measures the real learner step)."""
@@ -49,6 +54,8 @@ class LearnerSettings(Schema):
     prompts: int
     samples: int
     method: str
+    temperature: float = 1.0  # actors sample from softmax(logits / temperature); the learner scores the same
+    micro_batch: int = 0  # rows per backward pass, whole prompt groups (gradient accumulation); 0: all
 
     @classmethod
     def of(cls, source) -> dict:
@@ -81,6 +88,9 @@ class TrainInstruction(LearnerSettings):
         check_upload_density(self.upload_density, self.mode)
         if min(self.num_blocks, self.prompts, self.samples, self.data_shards) < 1:
             raise ValueError("num_blocks, prompts, samples and data_shards must be >= 1")
+        check_temperature(self.temperature)
+        if self.micro_batch < 0:
+            raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
         if not -1 <= self.block < self.num_blocks or (self.block == -1) != (self.mode == "fedavg-lora"):
             raise ValueError(
                 f"block {self.block} does not fit mode {self.mode} with {self.num_blocks} blocks"

@@ -31,6 +31,7 @@ class Rollouts:
     version: torch.Tensor  # (B,) policy version that produced each row
     answer_start: int  # first answer column
     allowed: torch.Tensor | None = None  # (V,) the answer vocabulary under constrained decoding
+    temperature: float = 1.0  # the policy is softmax(logits / temperature), for the actor and the learner
     rewards: torch.Tensor | None = None  # (B,) filled by `score`
 
     def overwrite_answer(
@@ -51,7 +52,11 @@ class Rollouts:
         self.answers[row] = text
 
 
-def restrict(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+def restrict(logits: torch.Tensor, allowed: torch.Tensor | None, temperature: float = 1.0) -> torch.Tensor:
+    """The policy's logits: scaled by 1/temperature, outside `allowed` at -inf."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits = logits if temperature == 1.0 else logits / temperature
     return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
 
 
@@ -92,6 +97,7 @@ def sample_tokens(
     logit_hook: LogitHook | None = None,
     allowed: torch.Tensor | None = None,
     prompt_of_row: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Autoregressive sampling with a KV cache.
 
@@ -99,7 +105,8 @@ def sample_tokens(
     one row per prompt), so S samples of a prompt share its cache.
     Returns answer ids (B, A), the log-prob of each under the (possibly hooked) sampling
     distribution (B, A), and a mask (B, A) that is 1 up to and including <eos>.
-    `allowed` (V,) bool restricts answers to some tokens (constrained decoding).
+    `allowed` (V,) bool restricts answers to some tokens (constrained decoding); `temperature`
+    scales the logits first (greedy decoding does not depend on it).
     """
     out = model(
         input_ids=prompt_ids,
@@ -115,7 +122,7 @@ def sample_tokens(
     alive = torch.ones(batch, dtype=torch.bool)
     alive_cols = []
     for step in range(max_new_tokens):
-        logits = restrict(logits.float(), allowed)
+        logits = restrict(logits.float(), allowed, temperature)
         if logit_hook is not None:
             logits = logit_hook(logits)
         logp_all = torch.log_softmax(logits, dim=-1)
@@ -152,8 +159,10 @@ def rollout(
     generator: torch.Generator | None = None,
     logit_hook: LogitHook | None = None,
     version: int = 0,
+    temperature: float = 1.0,
 ) -> Rollouts:
-    """Sample `samples_per_prompt` answers per problem (rows of one prompt are adjacent)."""
+    """Sample `samples_per_prompt` answers per problem (rows of one prompt are adjacent) from
+    softmax(logits / temperature)."""
     rows = [p for p in problems for _ in range(samples_per_prompt)]
     group = torch.arange(len(problems)).repeat_interleave(samples_per_prompt)
     unique_ids, unique_mask = left_pad(
@@ -173,6 +182,7 @@ def rollout(
         logit_hook=logit_hook,
         allowed=allowed,
         prompt_of_row=group if samples_per_prompt > 1 else None,
+        temperature=temperature,
     )
     width = prompt_ids.shape[1]
     input_ids = torch.cat([prompt_ids, answer], 1)
@@ -191,6 +201,7 @@ def rollout(
         version=torch.full((len(rows),), version, dtype=torch.long),
         answer_start=width,
         allowed=allowed,
+        temperature=temperature,
     )
 
 
@@ -217,38 +228,45 @@ def token_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     allowed: torch.Tensor | None = None,
-    shared_prefix: int = 0,
+    prompt_width: int = 0,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """log pi(token_t | tokens_<t) for t >= 1 (column 0 is 0); differentiable. With `allowed`,
-    the distribution is the one constrained decoding samples from (use it for answer tokens).
-    Rows that agree on their first `shared_prefix` columns (the S samples of one prompt) have
-    that prefix computed once."""
-    logits = _logits(model, input_ids, attention_mask, shared_prefix)
+    """log pi(token_t | tokens_<t) for t >= max(1, prompt_width); earlier columns are 0.
+    Differentiable. With `allowed`, the distribution is the one constrained decoding samples
+    from (use it for answer tokens); `temperature` must be the one the answers were sampled at.
+    The first `prompt_width` columns are the prompt: rows that agree on them (the S samples of
+    one prompt) run them once, and no vocabulary projection is spent on them."""
+    width = max(1, min(prompt_width, input_ids.shape[1] - 1))
+    logits = _answer_logits(model, input_ids, attention_mask, width)  # columns width-1 .. T-1
     logp = (
-        torch.log_softmax(restrict(logits[:, :-1].float(), allowed), dim=-1)
-        .gather(-1, input_ids[:, 1:, None])
+        torch.log_softmax(restrict(logits[:, :-1].float(), allowed, temperature), dim=-1)
+        .gather(-1, input_ids[:, width:, None])
         .squeeze(-1)
     )
     if allowed is not None:  # prompt tokens lie outside the answer vocabulary; they are never scored
         logp = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
-    return torch.cat([torch.zeros_like(logp[:, :1]), logp], 1)
+    return torch.cat([torch.zeros_like(input_ids[:, :width], dtype=logp.dtype), logp], 1)
 
 
-def _logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int) -> torch.Tensor:
-    """The logits (B, T, V); a prefix several rows share runs once and its KV cache is copied to them."""
+def _answer_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> torch.Tensor:
+    """The logits of columns width-1 .. T-1 (B, T-width+1, V); a prompt that several rows share
+    runs once and its KV cache is copied to them."""
     positions = position_ids(attention_mask)
-    width = min(shared_prefix, input_ids.shape[1] - 1)
-    if width > 0:
+    if width > 1:
         prefix = torch.cat([input_ids[:, :width], attention_mask[:, :width]], 1)
         distinct, row_of = torch.unique(prefix, dim=0, return_inverse=True)
-    if width <= 0 or len(distinct) == len(input_ids):
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    if width == 1 or len(distinct) == len(input_ids):
+        keep = input_ids.shape[1] - width + 1
+        return model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, logits_to_keep=keep
+        ).logits
     first = torch.empty(len(distinct), dtype=torch.long).scatter_(0, row_of, torch.arange(len(input_ids)))
     head = model(
         input_ids=input_ids[first, :width],
         attention_mask=attention_mask[first, :width],
         position_ids=positions[first, :width],
         use_cache=True,
+        logits_to_keep=1,
     )
     tail = model(
         input_ids=input_ids[:, width:],
@@ -261,14 +279,25 @@ def _logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared
 
 
 @torch.no_grad()
-def greedy_error(
+def greedy_eval(
     lm: LoadedModel, task: Task, problems: Sequence[Problem] | None = None, batch_size: int = 256
-) -> float:
-    """Held-out metric: fraction of problems whose greedy answer is wrong."""
+) -> dict:
+    """Held-out metric: `error`, the fraction of problems whose greedy answer is wrong; for tasks
+    that can tell an unreadable answer from a wrong one (`is_well_formed`), also `format_error`,
+    the fraction of answers that state no answer at all."""
     problems = list(task.eval_problems() if problems is None else problems)
-    wrong = 0
+    wrong = malformed = 0
+    well_formed = getattr(task, "is_well_formed", None)
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
         batch = rollout(lm, task, chunk, greedy=True)
         wrong += sum(not task.is_correct(p, a) for p, a in zip(chunk, batch.answers))
-    return wrong / max(len(problems), 1)
+        malformed += sum(not well_formed(a) for a in batch.answers) if well_formed else 0
+    n = max(len(problems), 1)
+    return {"error": wrong / n} | ({"format_error": malformed / n} if well_formed else {})
+
+
+def greedy_error(
+    lm: LoadedModel, task: Task, problems: Sequence[Problem] | None = None, batch_size: int = 256
+) -> float:
+    return greedy_eval(lm, task, problems, batch_size)["error"]

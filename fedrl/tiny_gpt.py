@@ -103,9 +103,11 @@ class TinyGPT(PreTrainedModel, GenerationMixin):  # GenerationMixin: peft's caus
         position_ids: torch.Tensor | None = None,
         past_key_values: tuple | None = None,
         use_cache: bool = False,
+        logits_to_keep: int = 0,
         **_,
     ) -> CausalLMOutputWithPast:
-        """`attention_mask` covers the cached and the new tokens (B, past + T), as in transformers."""
+        """`attention_mask` covers the cached and the new tokens (B, past + T), as in transformers;
+        `logits_to_keep` > 0 projects only the last that many positions to the vocabulary."""
         batch, width = input_ids.shape
         past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
         if attention_mask is None:
@@ -130,7 +132,8 @@ class TinyGPT(PreTrainedModel, GenerationMixin):  # GenerationMixin: peft's caus
             x, kv = layer(x, mask, None if past_key_values is None else past_key_values[i])
             cache.append(kv)
         return CausalLMOutputWithPast(
-            logits=self.output(x), past_key_values=tuple(cache) if use_cache else None
+            logits=self.output(x[:, -logits_to_keep:] if logits_to_keep else x),
+            past_key_values=tuple(cache) if use_cache else None,
         )
 
 

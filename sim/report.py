@@ -39,9 +39,18 @@ def write_report(summary: dict, out: Path) -> list[Path]:
     ax.plot(
         [e["t"] for e in evals], [e["error"] for e in evals], "o-", color="C0", label="held-out greedy error"
     )
-    if replies:
-        t = np.array([e["t"] for e in replies])
-        r = np.array([e["reward"] for e in replies])
+    if evals and "format_error" in evals[0]:
+        ax.plot(
+            [e["t"] for e in evals],
+            [e.get("format_error", np.nan) for e in evals],
+            "s--",
+            color="C3",
+            label="held-out format errors (no answer stated)",
+        )
+    trained = [e for e in replies if e.get("steps", 1) > 0]  # a flush reply trains nothing: no reward
+    if trained:
+        t = np.array([e["t"] for e in trained])
+        r = np.array([e["reward"] for e in trained])
         window = max(1, len(r) // 20)
         smooth = np.convolve(r, np.ones(window) / window, mode="valid")
         ax.plot(t[window - 1 :], smooth, color="C1", label="client train reward (moving mean)")
@@ -108,16 +117,24 @@ def write_html(summary: dict, out: Path, images: list[str]) -> Path:
         ("mode", f"{cfg['mode']} ({'sync' if cfg['sync'] else 'async'}), clock {summary.get('clock')}"),
         ("model / task", f"{cfg['model']} / {cfg['task']} {cfg['task_params']}"),
         ("held-out greedy error", f"{summary['initial_eval']:.3f} -> {summary['final_eval']:.3f}"),
+        *(
+            [("larger held-out set", f"error {final_set['error']:.3f} on {final_set['problems']} problems")]
+            if (final_set := summary.get("final_set_eval"))
+            else []
+        ),
         ("versions / client rounds", f"{summary['versions']} / {summary['rounds']}"),
         ("time on the run's clock", f"{summary['time_s']:.1f} s"),
+        ("wall time of the coordinator", f"{summary.get('wall_s', float('nan')):.0f} s"),
         ("bytes up / down", f"{summary['bytes_up'] / 1e6:.2f} MB / {summary['bytes_down'] / 1e6:.2f} MB"),
         ("updates", ", ".join(f"{k} {v}" for k, v in summary["counts"].items())),
     ]
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in figures)
+    staleness = client_staleness(summary["events"])
     client_rows = "".join(
         f"<tr><td>{i}</td><td>{html.escape(c.get('profile', ''))}</td><td>{c['messages']}</td>"
         f"<td>{c['compute_s']:.1f}</td><td>{c['comm_s']:.1f}</td><td>{c['overlap_s']:.1f}</td>"
-        f"<td>{c['bytes_up'] / 1e3:.0f}</td><td>{c['bytes_down'] / 1e3:.0f}</td></tr>"
+        f"<td>{c['bytes_up'] / 1e3:.0f}</td><td>{c['bytes_down'] / 1e3:.0f}</td>"
+        f"<td>{staleness.get(c['client_id'], '-')}</td></tr>"
         for i, (_, c) in enumerate(sorted(summary["clients"].items(), key=lambda kv: int(kv[0])))
     )
     imgs = "".join(
@@ -132,9 +149,18 @@ img{{max-width:520px}}</style></head><body>
 <h1>fedrl run report</h1><table>{rows}</table>
 {imgs}
 <h2>clients</h2><table><tr><th>client</th><th>profile</th><th>rounds</th><th>compute s</th><th>comm s</th>
-<th>overlap s</th><th>kB up</th><th>kB down</th></tr>{client_rows}</table>
+<th>overlap s</th><th>kB up</th><th>kB down</th><th>staleness mean / max</th></tr>{client_rows}</table>
 <p>Full data: <a href="summary.json">summary.json</a></p></body></html>
 """
     path = out / "report.html"
     path.write_text(page)
     return path
+
+
+def client_staleness(events: list[dict]) -> dict[int, str]:
+    """Per client id: "mean / max" staleness of its replies (versions its local copy lagged)."""
+    seen: dict[int, list[int]] = {}
+    for e in events:
+        if e["kind"] == "reply":
+            seen.setdefault(e["client"], []).append(e["staleness"])
+    return {c: f"{np.mean(v):.1f} / {max(v)}" for c, v in seen.items()}

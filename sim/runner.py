@@ -25,6 +25,7 @@ def simulate(
     from fedrl.sim.apps import client_app
 
     budgets = f"{cfg.versions} versions" + (f" or {cfg.max_time_s:g} {sim.clock} s" if cfg.max_time_s else "")
+    budgets += f" or {cfg.max_wall_s:g} wall s" if cfg.max_wall_s else ""
     bar = tqdm(
         total=100,
         desc=f"fedrl sim {cfg.mode}{' sync' if cfg.sync else ' async'} ({budgets})",
@@ -38,6 +39,8 @@ def simulate(
         done = coord.version / cfg.versions
         if cfg.max_time_s:
             done = max(done, coord.now() / cfg.max_time_s)
+        if cfg.max_wall_s:
+            done = max(done, (time.monotonic() - coord.wall_start) / cfg.max_wall_s)
         bar.n = min(100, int(100 * done))
         bar.set_postfix(
             version=coord.version,

@@ -88,14 +88,16 @@ def calibrate_step_s(cfg: RunConfig, repeats: int = 3) -> float:
     task = get_task(cfg.task, **json.loads(cfg.task_params))
     block = ALL_BLOCKS if cfg.mode == "fedavg-lora" else 0
     learner = Learner(
-        adapter.part.make_trainable(adapter.lm.model, block), LearnerConfig(cfg.method, lr=cfg.lr)
+        adapter.part.make_trainable(adapter.lm.model, block),
+        LearnerConfig(cfg.method, lr=cfg.lr, micro_batch=cfg.micro_batch),
     )
     rng, gen = np.random.default_rng(cfg.seed), torch.Generator().manual_seed(cfg.seed)
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
         start = time.perf_counter()
+        problems = task.sample(cfg.prompts, rng)
         batch = score(
-            task, rollout(adapter.lm, task, task.sample(cfg.prompts, rng), cfg.samples, generator=gen)
+            task, rollout(adapter.lm, task, problems, cfg.samples, generator=gen, temperature=cfg.temperature)
         )
         lm_update(learner, adapter.lm.model, batch)
         times.append(time.perf_counter() - start)

@@ -41,7 +41,7 @@ from fedrl.patch import PatchError, PatchLimits, apply_patch
 from fedrl.patch_chain import PatchPublisher
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import MESSAGE_TYPE, LearnerSettings, TrainInstruction, TrainReport
-from fedrl.rollout import greedy_error
+from fedrl.rollout import greedy_eval
 from fedrl.run_events import EventLog
 from fedrl.run_metrics import RunMetrics
 from fedrl.schema import SchemaError
@@ -121,6 +121,8 @@ class Coordinator:
             cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks
         )  # our own instance
         self.task = get_task(cfg.task, **json.loads(cfg.task_params))
+        if cfg.final_eval_size and not hasattr(self.task, "num_eval"):
+            raise ValueError(f"final_eval_size: task {cfg.task!r} has no held-out set size (num_eval)")
         self.global_state = dict(self.adapter.initial)
         self.version = 0
         self.scheduler = BlockScheduler(
@@ -189,6 +191,7 @@ class Coordinator:
         self.stop_reason = ""
         self.last_refresh = float("-inf")
         self.started_at = time.time()  # wall clock, so a deployment's logs can be lined up with events
+        self.wall_start = time.monotonic()  # max_wall_s counts from here
 
     def __enter__(self) -> Coordinator:
         return self
@@ -205,13 +208,26 @@ class Coordinator:
         self.log.emit(kind, self.now(), self.version, counted, **fields)
 
     def evaluate(self) -> float:
+        """The global adapter's greedy error on the task's held-out set (and its format errors,
+        for tasks that tell them apart), recorded in `evals` and as an event."""
         cpu = time.process_time()
         self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
-        error = greedy_error(self.adapter.lm, self.task)
+        result = greedy_eval(self.adapter.lm, self.task)
         self.eval_cpu_s += time.process_time() - cpu
-        self.evals.append({"t": round(self.now(), 3), "version": self.version, "error": error})
-        self.event("eval", metric="greedy_error", value=error)
-        return error
+        wall_s = round(time.monotonic() - self.wall_start, 1)
+        self.evals.append({"t": round(self.now(), 3), "wall_s": wall_s, "version": self.version, **result})
+        extra = {"format_error": result["format_error"]} if "format_error" in result else {}
+        self.event("eval", metric="greedy_error", value=result["error"], **extra)
+        return result["error"]
+
+    def evaluate_final_set(self) -> dict | None:
+        """The final adapter on a larger held-out set (`final_eval_size` problems), if asked."""
+        if not self.cfg.final_eval_size:
+            return None
+        task = dataclasses.replace(self.task, num_eval=self.cfg.final_eval_size)
+        result = {"problems": self.cfg.final_eval_size, **greedy_eval(self.adapter.lm, task)}
+        self.event("eval", metric="greedy_error_final_set", value=result["error"])
+        return result
 
     def publish(self) -> None:
         self.refs += put_signed_patches(
@@ -651,6 +667,8 @@ class Coordinator:
     def should_stop(self) -> bool:
         if self.cfg.max_time_s and self.now() > self.cfg.max_time_s:
             self.stop_reason = f"max_time_s {self.cfg.max_time_s} reached on the run's clock"
+        elif self.cfg.max_wall_s and time.monotonic() - self.wall_start > self.cfg.max_wall_s:
+            self.stop_reason = f"max_wall_s {self.cfg.max_wall_s} wall-clock seconds reached"
         elif self.cfg.target_error and self.evals and self.evals[-1]["error"] <= self.cfg.target_error:
             self.stop_reason = f"target error {self.cfg.target_error} reached"
         elif self.counts["replies"] - self.replies_at_version >= self.cfg.stall_replies:
@@ -717,7 +735,7 @@ class Coordinator:
             "time_s": loop_time,
         }
         final = self.evaluate()
-        summary = self.finish(initial, final)
+        summary = self.finish(initial, final, self.evaluate_final_set())
         self.event("finished", initial_eval=initial, final_eval=final, stop_reason=self.stop_reason)
         if failure:  # results are saved; the caller still learns that the run failed
             raise failure
@@ -733,7 +751,7 @@ class Coordinator:
             else:
                 self.handle(*due)
 
-    def finish(self, initial: float, final: float) -> dict:
+    def finish(self, initial: float, final: float, final_set: dict | None = None) -> dict:
         self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
         adapter_dir = self.out_dir / "adapter"
         self.adapter.lm.model.save_pretrained(adapter_dir)
@@ -743,6 +761,8 @@ class Coordinator:
             "config": self.cfg.model_dump(),
             "initial_eval": initial,
             "final_eval": final,
+            "final_set_eval": final_set,
+            "wall_s": round(time.monotonic() - self.wall_start, 1),
             "metric": "greedy_error",
             "rounds": sum(c["messages"] for c in self.clients.values()),
             "versions": self.version,

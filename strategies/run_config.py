@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import model_validator
 
-from fedrl.protocol import MODES, check_json, check_upload_density
+from fedrl.protocol import MODES, check_json, check_temperature, check_upload_density
 from fedrl.schema import Schema
 
 
@@ -24,6 +24,8 @@ class RunConfig(Schema):
     prompts: int = 8
     samples: int = 8
     method: str = "dg"
+    temperature: float = 1.0  # sampling temperature of the actors (the learner's policy is the same)
+    micro_batch: int = 0  # learner rows per backward pass (whole prompt groups); 0: the whole batch
     schedule: str = "cyclic"  # cyclic | random | lru
     base_steps: int = 6  # local steps for a client of median speed
     min_steps: int = 1
@@ -49,9 +51,11 @@ class RunConfig(Schema):
     data_shards: int = 0  # the task's data is split in this many shards (client id % shards); 0: min_nodes
     anchor_every: int = 5
     eval_every: int = 4
+    final_eval_size: int = 0  # at the end, also evaluate on this many fresh held-out problems; 0: off
     min_nodes: int = 2
     node_wait_s: float = 120.0
     max_time_s: float = 0.0  # stop after this many seconds on the run's clock; 0: no limit
+    max_wall_s: float = 0.0  # stop after this many wall-clock seconds, whatever the clock; 0: no limit
     target_error: float = 0.0  # stop once a held-out eval reaches this error; 0: never
     stall_replies: int = 200  # stop when this many replies in a row bring no new version
     seed: int = 0
@@ -72,8 +76,11 @@ class RunConfig(Schema):
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if min(self.versions, self.buffer_size, self.min_nodes, self.eval_every, self.num_blocks) < 1:
             raise ValueError("versions, buffer_size, min_nodes, eval_every and num_blocks must be >= 1")
-        if min(self.max_time_s, self.data_shards, self.clip_norm, self.target_error, self.gate_probe) < 0:
-            raise ValueError("max_time_s, data_shards, clip_norm, target_error and gate_probe must be >= 0")
+        nonnegative = ["max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"]
+        nonnegative += ["final_eval_size", "micro_batch"]
+        if min(getattr(self, name) for name in nonnegative) < 0:
+            raise ValueError(f"{', '.join(nonnegative)} must be >= 0")
+        check_temperature(self.temperature)
         check_upload_density(self.upload_density, self.mode)
         if not 0 <= self.gate_tolerance <= 1:
             raise ValueError(f"gate_tolerance is a drop in mean reward, in [0, 1]; got {self.gate_tolerance}")

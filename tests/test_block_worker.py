@@ -47,6 +47,9 @@ def test_instruction_round_trip_and_validation():
         TrainInstruction.parse(_instruction(task_params="{not json"))
     with pytest.raises(SchemaError, match="upload_density must be in"):
         TrainInstruction.parse(_instruction(upload_density=-0.5))  # a malformed message, not a crash later
+    for temperature in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(SchemaError, match="temperature must be a finite number > 0"):
+            TrainInstruction.parse(_instruction(temperature=temperature))
     with pytest.raises(SchemaError, match="profile: Extra inputs are not permitted"):
         TrainInstruction.parse(_instruction(profile="{}"))  # simulated traits do not travel in the protocol
 
@@ -104,4 +107,9 @@ def test_run_config_from_flower_style_keys_and_errors():
         {"mode": "fedavg-lora", "upload-density": 0.1},
     ):
         with pytest.raises(SchemaError, match="upload_density must be in"):
+            RunConfig.from_mapping(bad)
+    with pytest.raises(SchemaError, match="temperature must be"):
+        RunConfig.from_mapping({"temperature": 0})
+    for bad in ({"max-wall-s": -1.0}, {"final-eval-size": -5}):
+        with pytest.raises(SchemaError, match="must be >= 0"):
             RunConfig.from_mapping(bad)

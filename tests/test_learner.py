@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from fedrl.frictions import Actor, Frictions
-from fedrl.learner import Learner, LearnerConfig, lm_update
+from fedrl.learner import Learner, LearnerConfig, lm_update, micro_batches
 from fedrl.losses import PGBatch
 from fedrl.models import TINY_MODELS, tiny_model
-from fedrl.rollout import greedy_error, rollout, token_logprobs
+from fedrl.rollout import greedy_error, rollout, score, token_logprobs
 from fedrl.tasks import ReversalTask
 
 
@@ -24,19 +24,25 @@ def test_rollouts_are_seeded_and_record_actor_logprobs(spec):
     assert torch.allclose(recomputed[mask], a.behaviour_logp[mask], atol=1e-5)
 
 
+@pytest.mark.parametrize("samples", [4, 1])
 @pytest.mark.parametrize("spec", sorted(TINY_MODELS))
-def test_a_shared_prompt_computed_once_gives_the_same_logprobs_and_gradients(spec):
+def test_scoring_only_the_answer_gives_the_same_logprobs_and_gradients(spec, samples):
+    """With the prompt's width given, a prompt shared by S samples runs once (S > 1) and no
+    prompt column is projected to the vocabulary; answers score exactly as in the full pass."""
     lm, task = TINY_MODELS[spec](0, alphabet="01"), ReversalTask(length=6)
-    batch = rollout(lm, task, task.sample(3, np.random.default_rng(1)), 4, generator=torch.Generator())
-    batch.input_ids[5, 2] = 5  # one row's prompt differs from its group's: it gets its own prefix
+    batch = rollout(lm, task, task.sample(3, np.random.default_rng(1)), samples, generator=torch.Generator())
+    if samples > 1:
+        batch.input_ids[5, 2] = 5  # one row's prompt differs from its group's: it gets its own prefix
     logps, grads = [], []
-    for shared in (0, batch.answer_start):
+    for width in (0, batch.answer_start):
         lm.model.zero_grad()
-        logp = token_logprobs(lm.model, batch.input_ids, batch.attention_mask, batch.allowed, shared)
+        logp = token_logprobs(lm.model, batch.input_ids, batch.attention_mask, batch.allowed, width)
         (logp * batch.answer_mask).sum().backward()
         logps.append(logp.detach())
         grads.append([p.grad.clone() for p in lm.model.parameters()])
-    assert torch.allclose(*logps, atol=1e-5)
+    answer = batch.answer_mask.bool()
+    assert torch.allclose(logps[0][answer], logps[1][answer], atol=1e-5)
+    assert not logps[1][:, : batch.answer_start].any()  # the prompt is not scored
     assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(*grads))
 
 
@@ -81,3 +87,37 @@ def test_short_dg_reversal_run_lowers_the_error(spec):
         lm_update(learner, lm.model, actor.collect(task.sample(10, rng), 10))
     after = greedy_error(lm, task)
     assert before >= 0.5 and after <= 0.25, (before, after)
+
+
+def test_answers_sampled_at_a_temperature_are_scored_at_that_temperature():
+    lm, task = tiny_model(0, alphabet="01"), ReversalTask(length=5)
+    batch = rollout(
+        lm, task, task.sample(4, np.random.default_rng(0)), 3, generator=torch.Generator(), temperature=0.5
+    )
+    assert batch.temperature == 0.5
+    mask = batch.answer_mask.bool()
+    args = (lm.model, batch.input_ids, batch.attention_mask, batch.allowed, batch.answer_start)
+    assert torch.allclose(token_logprobs(*args, temperature=0.5)[mask], batch.behaviour_logp[mask], atol=1e-5)
+    assert not torch.allclose(token_logprobs(*args)[mask], batch.behaviour_logp[mask], atol=1e-3)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        rollout(lm, task, task.sample(1, np.random.default_rng(0)), temperature=0.0)
+
+
+@pytest.mark.parametrize("method", ["dg", "ppo"])
+def test_micro_batches_of_whole_groups_take_the_same_step_as_the_whole_batch(method):
+    """Gradient accumulation: the step (and its metrics) equals the one-pass step."""
+    task = ReversalTask(length=4)
+    batch = rollout(tiny_model(0, alphabet="01"), task, task.sample(5, np.random.default_rng(2)), 4)
+    batch = score(task, batch)
+    assert [len(c) for c in micro_batches(batch.group, 9)] == [8, 8, 4]  # groups of 4 are never cut
+    assert [len(c) for c in micro_batches(batch.group, 3)] == [4] * 5  # a group bigger than the size: alone
+    steps = []
+    for micro in (0, 8):
+        lm = tiny_model(0, alphabet="01")
+        learner = Learner(list(lm.model.parameters()), LearnerConfig(method, micro_batch=micro))
+        metrics = lm_update(learner, lm.model, batch)
+        steps.append((metrics, [p.detach().clone() for p in lm.model.parameters()]))
+    (whole, after_whole), (micro, after_micro) = steps
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(after_whole, after_micro))
+    assert whole.keys() == micro.keys()
+    assert all(abs(whole[k] - micro[k]) < 1e-5 * max(1.0, abs(whole[k])) for k in whole)

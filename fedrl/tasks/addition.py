@@ -49,6 +49,10 @@ class AdditionTask:
     def is_correct(self, problem: Problem, answer: str) -> bool:
         return stated_answer(answer) == int(problem.target)
 
+    def is_well_formed(self, answer: str) -> bool:
+        """An answer that states an integer; one that does not is a format error, not a wrong sum."""
+        return stated_answer(answer) is not None
+
     def eval_problems(self) -> list[Problem]:
         return self.sample(self.num_eval, np.random.default_rng(EVAL_SEED))
 

@@ -3,8 +3,11 @@
 The experiment the DG papers do not have: the same coordinator (parablock, asynchronous,
 FedBuff-style), the same `mixed-volunteers` clients, some of whose actors are buggy (landmine
 answers reported with log-prob 0, so PPO's ratios are wrong) or noisy (coin-flip rewards), on
-the tiny GPT's reversal base. Per method and seed: virtual time and samples (episodes the
-clients generated) to a target held-out error. Every run shares one calibration of step_s.
+the tiny GPT's reversal base. With `--scenario NAME` the methods run instead on a scenario's
+own clients, model, task and budget (e.g. smollm2-addition: the staleness the federation
+produces is the only friction). Per method and seed: virtual time and samples (episodes the
+clients generated) to a target held-out error, and the final error. Every run shares one
+calibration of step_s.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from fedrl.bench.common import write_json
 from fedrl.sim.bench.async_rounds import bench_run_config, runs_dir, time_to_target
 from fedrl.sim.profiles import mix
 from fedrl.sim.report import write_report
-from fedrl.sim.runner import simulate
-from fedrl.sim.simulated_server import SimConfig
+from fedrl.sim.runner import parse_overrides, simulate
+from fedrl.sim.scenario import load_scenario
+from fedrl.sim.simulated_server import SimConfig, split_config
 
 METHODS = ("dg", "ppo", "reinforce")
 
@@ -77,25 +81,69 @@ def add_arguments(parser) -> None:
         help="the clients' Adam learning rate (1e-4: a steady curve on tiny-gpt-base)",
     )
     parser.add_argument("--engine", choices=["local", "ray"], default="local")
+    parser.add_argument(
+        "--scenario",
+        help="run the methods on this scenario (its clients, model, task and budget; no frictions "
+        "are added and runs do not stop at the target) instead of the friction setup",
+    )
+    parser.add_argument(
+        "--set", nargs="+", action="extend", metavar="KEY=VALUE", help="with --scenario: run config overrides"
+    )
 
 
-def main(args) -> int:
+def friction_setup(args) -> tuple:
+    """(base config, clients, seed -> SimConfig, what the runs share): the buggy/noisy federation."""
     clients = args.clients or (4 if args.quick else 8)
     budget = args.budget_s or (10.0 if args.quick else 60.0)
-    seeds = args.seeds or (1 if args.quick else 3)
     base = bench_run_config(
         clients, budget, args.target, args.quick, model=args.model, lr=args.lr, deadline_s=20.0, eval_every=1
     )
+
+    def sim_for(seed: int) -> SimConfig:
+        profiles = friction_profiles(clients, args.buggy, args.noisy, args.strength, seed)
+        return SimConfig(profiles=profiles, clock="virtual")
+
+    setting = {
+        "budget_s": budget,
+        "frictions": {"buggy": args.buggy, "noisy": args.noisy, "strength": args.strength},
+        "model": args.model,
+        "lr": args.lr,
+    }
+    return base, clients, sim_for, setting, f"{budget:g} virtual s"
+
+
+def scenario_setup(args) -> tuple:
+    """The same for a scenario: its config and clients as they are, plus `--set` overrides."""
+    scenario = load_scenario(args.scenario)
+    base, sim = split_config(
+        {**scenario.config.model_dump(), **scenario.sim.model_dump(), **parse_overrides(args.set)}
+    )
+    clients = args.clients or scenario.clients
+    base = base.replace(min_nodes=clients)
+    budget = ", ".join(
+        f"{value:g} {unit}"
+        for value, unit in ((base.max_time_s, f"{sim.clock} s"), (base.max_wall_s, "wall s"))
+        if value
+    )
+    setting = {"scenario": scenario.name, "model": base.model, "lr": base.lr, "config": base.model_dump()}
+    return base, clients, lambda seed: sim, setting, budget or f"{base.versions} versions"
+
+
+def main(args) -> int:
+    if args.set and not args.scenario:
+        raise SystemExit("--set needs --scenario (the friction setup takes its own flags)")
+    seeds = args.seeds or (1 if args.quick else 3)
+    base, clients, sim_for, setting, budget = (scenario_setup if args.scenario else friction_setup)(args)
     runs = runs_dir(args.out)
     start, step_s, results = time.perf_counter(), 0.0, []
     for seed in range(seeds):
-        profiles = friction_profiles(clients, args.buggy, args.noisy, args.strength, seed)
         for method in args.methods:
             cfg = base.replace(
                 method=method, seed=seed, out_dir=str(runs / f"{method}-seed{seed}"), resume=False
             )
-            print(f"[{method} seed {seed}] {clients} clients, {budget:g} virtual s", flush=True)
-            sim = SimConfig(profiles=profiles, clock="virtual", step_s=step_s)
+            print(f"[{method} seed {seed}] {clients} clients, {budget}", flush=True)
+            sim = sim_for(seed)
+            sim = sim.replace(step_s=step_s or sim.step_s)
             s = simulate(cfg, sim, clients, engine=args.engine)
             write_report(s, Path(cfg.out_dir))
             step_s = s["simulation"]["step_s"]  # the first run's calibration is every run's unit of work
@@ -107,9 +155,12 @@ def main(args) -> int:
                     "time_to_target_s": time_to_target(s["evals"], args.target),
                     "samples_to_target": samples_to_target(curve, args.target),
                     "initial_eval": s["initial_eval"],
+                    "final_eval": s["final_eval"],
+                    "final_set_eval": s.get("final_set_eval"),
                     "best_eval": min(e for *_, e in curve),
                     "samples": curve[-1][1] if curve else 0,
                     "virtual_s": s["time_s"],
+                    "wall_s": s.get("wall_s"),
                     "counts": s["counts"],
                     "curve": curve,
                 }
@@ -121,10 +172,8 @@ def main(args) -> int:
             "quick": args.quick,
             "target": args.target,
             "clients": clients,
-            "budget_s": budget,
-            "frictions": {"buggy": args.buggy, "noisy": args.noisy, "strength": args.strength},
-            "model": args.model,
-            "lr": args.lr,
+            "budget": budget,
+            **setting,
             "step_s": step_s,
             "wall_s": time.perf_counter() - start,
             "summary": summary,
@@ -132,7 +181,12 @@ def main(args) -> int:
         },
         args.out,
     )
-    plot(results, args.target, out.with_suffix(".png"))
+    title = (
+        f"{setting['scenario']}: the federation's own staleness"
+        if args.scenario
+        else "federated RL, buggy and noisy volunteers: loss by loss"
+    )
+    plot(results, args.target, out.with_suffix(".png"), title)
     print(table(summary, seeds))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
@@ -155,24 +209,27 @@ def method_summary(runs: list[dict]) -> dict:
             max(cost("samples_to_target", "samples")),
         ],
         "best_eval": float(np.mean([r["best_eval"] for r in runs])),
+        "final_eval": float(np.mean([r["final_eval"] for r in runs])),
     }
 
 
 def table(summary: dict, seeds: int) -> str:
     lines = [
         f"{'method':10} {'reached':>8} {'time to target':>15} {'samples to target':>26} {'best error':>11}"
+        f" {'final error':>12}"
     ]
     for method, s in summary.items():
         lo, hi = s["samples_range"]
         lines.append(
             f"{method:10} {s['reached']:>4}/{s['runs']:<3} {s['time_to_target_s']:14.1f}s "
             f"{s['samples_to_target']:>10.0f} [{lo:.0f}-{hi:.0f}] {s['best_eval']:11.3f}"
+            f" {s['final_eval']:12.3f}"
         )
     lines.append(f"(mean over {seeds} seed(s); a run that never reached the target counts its whole budget)")
     return "\n".join(lines)
 
 
-def plot(results: list[dict], target: float, path) -> None:
+def plot(results: list[dict], target: float, path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -188,7 +245,7 @@ def plot(results: list[dict], target: float, path) -> None:
     ax.axhline(target, color="k", ls="--", lw=0.8, label=f"target {target}")
     ax.set_xlabel("samples generated by the clients")
     ax.set_ylabel("held-out greedy error")
-    ax.set_title("federated RL, buggy and noisy volunteers: loss by loss")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
