@@ -82,6 +82,26 @@ def test_friction_profiles_make_the_asked_shares_buggy_and_noisy():
     assert len({p["speed"] for p in profiles}) > 4  # still the heterogeneous mixed-volunteers mix
 
 
+def test_bench_methods_on_a_scenario_takes_its_clients_and_budget_with_overrides():
+    import argparse
+    import json
+
+    from fedrl.sim.bench.methods import scenario_setup
+
+    args = argparse.Namespace(scenario="smollm2-addition", clients=None, set=["max_wall_s=600", "lr=1e-4"])
+    base, clients, sim_for, setting, budget = scenario_setup(args)
+    assert clients == 4 and base.min_nodes == 4 and base.model == "smollm2-135m" and base.task == "addition"
+    assert base.lr == 1e-4 and base.max_wall_s == 600 and base.temperature == 0.7  # overrides, then the file
+    assert base.target_error == 0 and budget == "600 wall s"  # runs go to the end of their budget
+    assert [p["name"] for p in json.loads(sim_for(0).profiles)] == [
+        "desktop",
+        "desktop",
+        "laptop",
+        "old-laptop",
+    ]
+    assert setting["scenario"] == "smollm2-addition"
+
+
 def test_samples_to_target_counts_every_step_the_clients_ran_before_the_eval():
     from fedrl.sim.bench.methods import samples_curve, samples_to_target
 
