@@ -88,6 +88,7 @@ def cmd_patch_store(args) -> int:
         args.max_object_mb << 20,
         args.max_total_mb << 20,
         args.max_node_mb << 20,
+        args.state_dir,
     )
     return 0
 
@@ -343,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-object-mb", type=int, default=256)
     p.add_argument("--max-total-mb", type=int, default=4096, help="a quarter is kept for the coordinator")
     p.add_argument("--max-node-mb", type=int, default=512, help="what one node's uploads may hold at once")
+    p.add_argument(
+        "--state-dir", help="keep the volunteers' enrollments here, so a restarted store still knows them"
+    )
     p.set_defaults(func=cmd_patch_store)
 
     p = sub.add_parser("certs", help="make a deployment's CA, server certificate, node keys and store secret")

@@ -191,7 +191,9 @@ def handle(
             instr.block,
             instr.version,
             base,
-            runtime.poison_update(base, sent, instr.seed + instr.round),
+            runtime.poison_update(
+                base, sent, instr.seed + instr.round, {n: adapter.initial[n] for n in names}
+            ),
             len(metrics) * instr.prompts * instr.samples,
         )
     after = None

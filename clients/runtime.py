@@ -85,8 +85,9 @@ class Runtime:
     def perturb_rewards(self, rewards, rng) -> None:
         """Faults of the reward signal (none on an honest client)."""
 
-    def poison_update(self, base: dict, new: dict, seed: int) -> dict:
-        """What a dishonest client hands in for the block's new values (an honest one: `new`)."""
+    def poison_update(self, base: dict, new: dict, seed: int, first: dict) -> dict:
+        """What a dishonest client hands in for the block's new values (an honest one: `new`);
+        `first`: the block's values at version 0, which a liar about its base trains from."""
         return new
 
     def leaving(self) -> str:

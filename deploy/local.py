@@ -176,7 +176,8 @@ class LocalDeployment:
             "patch-store",
             [tool("fedrl"), "patch-store", "--host", self.host, "--port", str(self.store_port)]
             + ["--secret-file", str(self.certs / "store.secret")]
-            + ["--certfile", str(self.certs / "server.pem"), "--keyfile", str(self.certs / "server.key")],
+            + ["--certfile", str(self.certs / "server.pem"), "--keyfile", str(self.certs / "server.key")]
+            + ["--state-dir", str(self.state / "patch-store")],
             self.store_port,
         )
 

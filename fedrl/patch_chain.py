@@ -173,6 +173,10 @@ class PatchPublisher:
         kept = self.recent.get(version) or self.anchors.get(version)
         return kept[0] if kept else None
 
+    def retained(self) -> dict[int, dict]:
+        """Every retained global state (recent and anchors), by version."""
+        return {v: kept[0] for v, kept in (self.anchors | self.recent).items()}
+
     def skip_patch(self, from_version: int) -> bytes:
         """A patch straight from a retained `from_version` to the latest (a returning client's
         one download)."""

@@ -31,6 +31,7 @@ import logging
 import os
 import ssl
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -45,6 +46,7 @@ from fedrl.credentials import (
     check_body,
     verify_request,
 )
+from fedrl.node_files import read_json, write_json
 from fedrl.signing import key_fingerprint_ssh
 from fedrl.store_metrics import StoreMetrics
 
@@ -52,6 +54,7 @@ HASH_CHARS = set("0123456789abcdef")
 MAX_PROBE_BYTES = 16 << 20
 MAX_ENROLLMENTS = 1000
 ENROLL_STATUS = ("pending", "approved", "refused")
+ENROLLMENTS_FILE = "enrollments.json"
 log = logging.getLogger("fedrl.patch_store")
 
 
@@ -75,6 +78,27 @@ class StoreState:
     catalog: dict = field(default_factory=lambda: {"latest": None, "refs": [], "public_key": None})
     enrollments: dict[str, dict] = field(default_factory=dict)  # fingerprint -> request
     nonces: ReplayGuard = field(default_factory=ReplayGuard)
+    # where enrollments outlive the process (`fedrl patch-store --state-dir`); None: memory only
+    enrollments_file: Path | None = None
+
+    def load_enrollments(self) -> None:
+        """The enrollments a previous run of the store kept; a clear error for a damaged file."""
+        if self.enrollments_file is None:
+            return
+        kept = read_json(self.enrollments_file)
+        if kept is None:
+            return
+        entries = kept.get("enrollments")
+        fields = {"fingerprint", "public_key", "name", "invite", "status", "reason"}
+        if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and set(e) == fields and e["status"] in ENROLL_STATUS for e in entries
+        ):
+            raise ValueError(f"{self.enrollments_file} does not hold the store's enrollments")
+        self.enrollments = {e["fingerprint"]: e for e in entries}
+
+    def save_enrollments(self) -> None:
+        if self.enrollments_file is not None:
+            write_json(self.enrollments_file, {"enrollments": list(self.enrollments.values())})
 
     @property
     def total_bytes(self) -> int:
@@ -279,6 +303,7 @@ def make_app(state: StoreState) -> web.Application:
                 "status": "pending",
                 "reason": "",
             }
+            state.save_enrollments()
         return web.json_response(state.enrollments[fingerprint])
 
     @routes.get("/enroll/{fingerprint}")
@@ -303,6 +328,7 @@ def make_app(state: StoreState) -> web.Application:
         if status not in ENROLL_STATUS[1:]:
             raise web.HTTPBadRequest(text=f"status must be approved or refused, got {status!r}")
         entry.update(status=status, reason=reason)
+        state.save_enrollments()
         return web.json_response(entry)
 
     @routes.get("/probe")
@@ -395,10 +421,16 @@ def serve(
     max_object_bytes: int = 256 << 20,
     max_total_bytes: int = 4 << 30,
     max_node_bytes: int = 512 << 20,
+    state_dir: str | None = None,
 ) -> None:
-    """`fedrl patch-store`: the store as its own service (deployments)."""
+    """`fedrl patch-store`: the store as its own service (deployments). With `state_dir`, the
+    enrollments (volunteers' keys and the operator's decisions) survive a restart; objects and
+    the catalog are held in memory only."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tls = ssl_context(certfile, keyfile)
     state = StoreState(secret, max_object_bytes, max_total_bytes, max_node_bytes)
+    if state_dir:
+        state.enrollments_file = Path(state_dir) / ENROLLMENTS_FILE
+        state.load_enrollments()
     print(json.dumps({"patch_store": f"{'https' if certfile else 'http'}://{host}:{port}"}), flush=True)
     web.run_app(make_app(state), host=host, port=port, ssl_context=tls, print=None)

@@ -9,18 +9,31 @@ from __future__ import annotations
 
 import torch
 
-ATTACKS = ("", "scale", "flip", "ascent", "random", "nan")
+ATTACKS = ("", "scale", "flip", "ascent", "random", "nan", "stale-base")
 SCALE = 100.0
 
 
-def poison(kind: str, base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], seed: int) -> dict:
+def poison(
+    kind: str,
+    base: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    seed: int,
+    first: dict[str, torch.Tensor] | None = None,
+) -> dict:
     """`scale`: the update x100; `flip`: x-100; `ascent`: the update reversed at its own size
     (as if trained to raise the error: no norm check can tell); `random`: noise 100x the
-    update's norm; `nan`: NaN in every value."""
+    update's norm; `nan`: NaN in every value; `stale-base`: a liar about its base, who never
+    synced after version 0 (`first`: the block's values then) and hands in its update on those
+    values as if made on the version it was sent: measured against the real base, the upload
+    rolls the block back by everything merged since, plus the update."""
     if kind not in ATTACKS:
         raise ValueError(f"unknown attack {kind!r}; known: {ATTACKS[1:]}")
     if not kind:
         return new
+    if kind == "stale-base":
+        if first is None:
+            raise ValueError("the stale-base attack needs the block's values at version 0")
+        return {n: (first[n].float() + new[n].float() - base[n].float()).to(v.dtype) for n, v in new.items()}
     factor = {"scale": SCALE, "flip": -SCALE, "ascent": -1.0}.get(kind)
     g = torch.Generator().manual_seed(seed)
     out = {}

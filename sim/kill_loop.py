@@ -1,8 +1,10 @@
 """The coordinator killed with SIGKILL again and again, and resumed by running the same command.
 
-Each life of the run is a real `fedrl sim --engine local ... --set resume=true` process. Once it
-has made a version, it is killed at a random moment within about one version's time (while it
-aggregates, writes a checkpoint, publishes, or waits for replies) and started again. The event
+Each life of the run is a real `fedrl sim --engine local ... --set resume=true` process, killed
+with SIGKILL and started again. The lives take turns at where the kill lands: at a random
+moment within about one version's time after the life's first version (mostly while it waits
+for replies), and, through a failpoint (fedrl.failpoints), in the middle of an aggregation, of
+a checkpoint file's write, and of a publish, at its 2nd to 4th time there. The event
 log (`events.jsonl`, appended across lives) says what each life reached and where the next one
 resumed from: versions lost per kill is the last version announced before the kill minus the
 version resumed from. After the last kill the run goes to its end; its final metric is
@@ -21,8 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from fedrl import failpoints
 from fedrl.run_events import read_events
 from fedrl.strategies.checkpoint import load_checkpoints
+
+PHASES = ("random", *failpoints.NAMES)  # where the kills land, in turn
 
 
 def command(run_dir: Path, clients: int, overrides: dict) -> list[str]:
@@ -68,20 +73,29 @@ def kill_loop(
     rng = np.random.default_rng(seed)
     records, interval = [], 2.0  # wall seconds per version, learned from the run itself
     for k in range(kills):
-        seen = len(events_of(run_dir))
+        phase, seen = PHASES[k % len(PHASES)], len(events_of(run_dir))
+        env = dict(os.environ)
+        env.pop(failpoints.ENV, None)
+        if phase != "random":
+            env[failpoints.ENV] = f"{phase}:{int(rng.integers(2, 5))}"
         proc = subprocess.Popen(
-            command(run_dir, clients, overrides), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            command(run_dir, clients, overrides),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
         )
         start, deadline = time.monotonic(), time.monotonic() + life_timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
-            if any(e["kind"] == "version" for e in events_of(run_dir)[seen:]):
+            if phase == "random" and any(e["kind"] == "version" for e in events_of(run_dir)[seen:]):
                 break
             time.sleep(0.05)
-        if proc.poll() is not None:  # the run ended before this kill: nothing left to kill
+        if proc.poll() == 0:  # the run ended before this kill: nothing left to kill
             break
-        first_version_s = time.monotonic() - start
-        time.sleep(float(rng.uniform(0, interval)))  # a random moment of the next version's making
-        os.kill(proc.pid, signal.SIGKILL)
+        killed_by = "failpoint"
+        if proc.poll() is None:  # a random moment of the next version's making (or a failpoint never hit)
+            time.sleep(float(rng.uniform(0, interval)) if phase == "random" else 0.0)
+            os.kill(proc.pid, signal.SIGKILL)
+            killed_by = "loop"
         proc.wait()
         life = events_of(run_dir)[seen:]
         walls = [e["wall"] for e in life if e["kind"] == "version"]
@@ -90,10 +104,14 @@ def kill_loop(
         records.append(
             {
                 "kill": k + 1,
+                "phase": phase,
+                "failpoint": env.get(failpoints.ENV, ""),
+                "killed": proc.returncode == -signal.SIGKILL,
+                "killed_by": killed_by,
                 "resumed_from": resumed_from(life),
-                "reached": last_version(life),
+                "reached": max(last_version(life), resumed_from(life)),
                 "last_event": life[-1]["kind"] if life else None,
-                "first_version_after_s": round(first_version_s, 2),
+                "life_s": round(time.monotonic() - start, 2),
             }
         )
     seen = len(events_of(run_dir))

@@ -75,8 +75,8 @@ class SimulatedRuntime(Runtime):
     def perturb_rewards(self, rewards, rng) -> None:
         corrupt_rewards(rewards, self.profile.reward_noise_prob, rng)
 
-    def poison_update(self, base, new, seed):
-        return poison(self.profile.attack, base, new, seed)
+    def poison_update(self, base, new, seed, first):
+        return poison(self.profile.attack, base, new, seed, first)
 
 
 def simulated_client(msg: Message, context: Context, call_next) -> Message:

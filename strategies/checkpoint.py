@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
+from fedrl.failpoints import failpoint
+
 
 def _fsync_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
@@ -28,6 +30,7 @@ def _fsync_write(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    failpoint("checkpoint-write")
     os.replace(tmp, path)
 
 

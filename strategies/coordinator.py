@@ -34,6 +34,8 @@ from fedrl.credentials import (
     token_for,
     token_source,
 )
+from fedrl.failpoints import check_env as check_failpoint_env
+from fedrl.failpoints import failpoint
 from fedrl.lora import build_adapter_model
 from fedrl.monitor import MonitorServer
 from fedrl.node_files import write_json
@@ -52,6 +54,7 @@ from fedrl.strategies.aggregation import (
     Update,
     aggregate_block,
     norm_bound,
+    older_base,
     rejection_reason,
     update_norm,
 )
@@ -104,6 +107,7 @@ class Coordinator:
     refresh_every_s = 1.0  # how often the Grid is asked which nodes are connected
 
     def __init__(self, grid, cfg: RunConfig, clock: Clock | None = None, progress=None):
+        check_failpoint_env()
         self.grid, self.cfg, self.progress = grid, cfg, progress
         self.clock = clock or RealClock()
         self.resources = ExitStack()
@@ -233,6 +237,7 @@ class Coordinator:
         self.refs += put_signed_patches(
             self.admin, self.publisher.publish(self.global_state, self.version), self.signing_key
         )
+        failpoint("publish")
         oldest = self.version - self.publisher.keep_recent
         anchors = set(self.publisher.anchors)
         self.refs = [
@@ -558,6 +563,14 @@ class Coordinator:
             reason = rejection_reason(update, self.agg)
             if reason:
                 raise Rejected("update", reason)
+            older = older_base(new, r.upload_base_version, self.publisher.retained())
+            if older is not None:
+                raise Rejected(
+                    "rollback",
+                    f"the upload is nearer version {older} than the base version {r.upload_base_version} "
+                    f"it names: applied to that base it would move the block back toward version {older} "
+                    "(as an update made on an older state and labelled newer does)",
+                )
             if self.gate:
                 before, after, reason = self.gate.check(self.version, self.global_state, delta)
                 probe = {"probe_before": round(before, 4), "probe_after": round(after, 4)}
@@ -618,6 +631,7 @@ class Coordinator:
             clipped += sum(bound is not None and n > bound for n in norms[block])
             kept += [min(n, bound or float("inf")) for n in norms[block]]
             self.scheduler.record_update(block, self.version + 1)
+        failpoint("aggregate")
         self.recent_norms.extend(kept)
         self.global_state, self.version = new_state, self.version + 1
         self.replies_at_version = self.counts["replies"]

@@ -11,6 +11,7 @@ from fedrl.strategies.aggregation import (
     aggregate_block,
     clip_delta,
     norm_bound,
+    older_base,
     rejection_reason,
     staleness_weight,
     update_norm,
@@ -117,3 +118,37 @@ def test_recent_norms_bound_a_buffer_that_is_mostly_attackers():
     assert float(out.norm()) <= 3.0 * sorted(history)[len(history) // 2] + 1e-6
     with pytest.raises(ValueError, match="clip_multiple"):
         AggregationConfig(clip_multiple=0.5)
+
+
+def _trajectory(steps: int, seed: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Retained global states v0..v(steps): a random walk with a drift, as training makes."""
+    g = torch.Generator().manual_seed(seed)
+    drift, states = torch.randn(64, generator=g), {0: {"w": torch.zeros(64)}}
+    for v in range(1, steps + 1):
+        states[v] = {"w": states[v - 1]["w"] + drift + 0.5 * torch.randn(64, generator=g)}
+    return states
+
+
+def test_an_update_made_on_an_old_state_and_labelled_newer_is_found():
+    states = _trajectory(6, seed=0)
+    step = {"w": 0.1 * torch.ones(64)}
+    liar = {"w": states[0]["w"] + step["w"]}  # trained on v0, claims v6
+    assert older_base(liar, 6, states) == 0
+    assert older_base({"w": states[6]["w"] + step["w"]}, 6, states) is None  # honest
+    # a claim one version off is within the slack: an honest update may undo part of a step
+    assert older_base({"w": states[5]["w"]}, 6, states) is None
+    assert older_base(liar, 1, states) is None  # nothing older than the slack to compare with
+    assert older_base(liar, 9, states) is None  # a base that is not retained: judged elsewhere
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(2, 8), st.integers(0, 2**16), st.floats(0.0, 0.49))
+def test_an_honest_update_smaller_than_half_the_way_back_is_never_refused(steps, seed, fraction):
+    """|new - older| >= |base - older| - |u| > |u| = |new - base| whenever |u| is under half of
+    the distance to every older retained state, whatever its direction."""
+    states = _trajectory(steps, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    direction = torch.randn(64, generator=g)
+    nearest_older = min(update_norm({"w": states[steps]["w"] - states[v]["w"]}) for v in range(steps - 1))
+    u = direction * (fraction * nearest_older / float(direction.norm()))
+    assert older_base({"w": states[steps]["w"] + u}, steps, states) is None

@@ -19,6 +19,13 @@ def test_each_attack_turns_the_update_into_what_it_says():
     noise = delta(poison("random", base, new, 1))
     assert abs(float(noise.norm()) - SCALE * float(honest.norm())) < 1e-2 * SCALE * float(honest.norm())
     assert torch.isnan(delta(poison("nan", base, new, 0))).all()
+    # a liar about its base: its update on the version-0 values, which from the real base is a
+    # rollback of all merged since plus the update
+    first = {"w": torch.full((50,), 3.0), "b": torch.zeros(3)}
+    rolled_back = torch.cat([first[k] - base[k] for k in base]) + honest
+    assert torch.allclose(delta(poison("stale-base", base, new, 0, first)), rolled_back)
+    with pytest.raises(ValueError, match="version 0"):
+        poison("stale-base", base, new, 0)
     with pytest.raises(ValueError, match="unknown attack"):
         poison("bribe", base, new, 0)
     with pytest.raises((ValueError, ProfileError), match="attack must be one of"):
@@ -54,13 +61,14 @@ def test_bench_chaos_at_tiny_size_loses_nothing_and_lets_no_nan_in(tmp_path):
 
 @pytest.mark.slow
 def test_bench_chaos_faults_at_tiny_size_lose_at_most_a_version_and_accept_nothing_silently(tmp_path):
-    """Churn, a coordinator SIGKILL, the store under attack and the patch fuzzer, each at its
+    """Churn, coordinator SIGKILLs (one per phase: a random moment, mid-aggregation,
+    mid-checkpoint-write, mid-publish), the store under attack and the patch fuzzer, each at its
     smallest: the invariants hold (the figures are the benchmark's, not this test's)."""
     from fedrl.cli.main import main
 
     out = tmp_path / "chaos.json"
     argv = ["bench", "chaos", "--quick", "--families", "churn", "kill", "store", "fuzz", "--clients", "3"]
-    assert main(argv + ["--versions", "6", "--kills", "1", "--mutations", "500", "--out", str(out)]) == 0
+    assert main(argv + ["--versions", "6", "--kills", "4", "--mutations", "500", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {f["name"]: f for f in result["faults"]}
     assert all(f["survived"] and f["silently_accepted"] == 0 for f in rows.values()), rows
@@ -69,7 +77,8 @@ def test_bench_chaos_faults_at_tiny_size_lose_at_most_a_version_and_accept_nothi
         assert churned["churn"][0]["what"] == "left" and churned["replies_failed_in_flight"] == 1, churned
         assert churned["identities_stable"] and churned["left_events"] >= 1 and churned["versions_lost"] == 0
     killed = rows["coordinator-kill-9"]
-    assert killed["kills_done"] == 1 and killed["kills"][0]["versions_lost"] <= 1, killed
+    assert killed["kills_done"] == 4 and all(k["killed"] for k in killed["kills"]), killed
+    assert set(killed["kills_by_phase"].values()) == {1} and killed["versions_lost_max"] <= 1, killed
     assert killed["leftover_tmp_files"] == 0 and killed["corrupt_checkpoints"] == 0
     assert rows["store-replayed"]["tried"] >= 10 and rows["store-replayed"]["original_status"] == 200
     assert result["store"]["honest_under_attack"]["lost"] == 0

@@ -295,3 +295,40 @@ def test_top_k_uploads_are_sparse_patches_and_the_rest_stays_with_the_client(tmp
     assert states, "no client kept a residual"
     residual = states[0].array_records["residual"].to_torch_state_dict()
     assert any(float(t.abs().max()) > 0 for t in residual.values())
+
+
+def test_an_update_made_on_an_old_state_and_labelled_with_the_current_base_is_refused(tmp_path):
+    """A liar about its base (node 1 uploads its block as it was at v0, labelled with the base it
+    was sent): measured against that base it would roll the block back, so it is refused."""
+    from fedrl.patch import encode_patch
+    from fedrl.store_client import BlockingStoreClient
+
+    grid, first_held = None, {}
+
+    def script(node, msg, reply):
+        if reply.has_error() or node != 1 or not reply.content["report"]["upload_key"]:
+            return reply
+        instr, report = msg.content["instruction"], reply.content["report"]
+        held = grid.contexts[1].state["held"].to_torch_state_dict()
+        first_held.setdefault("v0", {k: v.clone() for k, v in held.items()})
+        if instr["version"] < 3:
+            return reply
+        names = [n for n in held if f".layers.{report['upload_block']}." in n]
+        store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
+        key = store.put(
+            encode_patch(
+                {n: held[n] for n in names},
+                {n: first_held["v0"][n] for n in names},
+                report["upload_base_version"],
+                report["upload_base_version"],
+            )
+        )
+        store.close()
+        return _with_report(msg, reply, upload_key=key)
+
+    grid = FakeGrid(3, client_app, script)
+    summary = run_coordinator(grid, config(tmp_path, mode="block-sequential", sync=True, versions=6))
+    rejected = [e for e in summary["events"] if e["kind"] == "rejected"]
+    assert rejected and all(e["node"] == 1 and e["cause"] == "rollback" for e in rejected), rejected
+    assert "nearer version 0 than the base version" in rejected[0]["reason"]
+    assert summary["versions"] >= 6

@@ -118,6 +118,45 @@ def test_an_invite_may_enroll_and_probe_but_nothing_else(tmp_path):
         asyncio.run(go(server.url))
 
 
+def test_enrollments_and_decisions_survive_a_restart_of_the_store(tmp_path):
+    """With a state folder, a restarted store still knows who enrolled and what the operator
+    decided: an approved volunteer is not sent back to waiting for approval."""
+    secret = new_secret()
+    keys = [make_node_key(tmp_path, name)[1].read_text().strip() for name in ("v1", "v2")]
+    path = tmp_path / "store" / "enrollments.json"
+
+    async def enroll_and_decide(url):
+        invited = PatchStoreClient(url, invite_principal("r"), token_for(secret, invite_principal("r")))
+        admin = PatchStoreClient(url, ADMIN, token_for(secret, ADMIN))
+        async with invited as c, admin as a:
+            first = await c.enroll(keys[0], "laptop")
+            await c.enroll(keys[1], "desktop")
+            await a.decide(first["fingerprint"], "approved")
+            return first["fingerprint"]
+
+    async def statuses(url):
+        admin = PatchStoreClient(url, ADMIN, token_for(secret, ADMIN))
+        async with admin as a:
+            return {e["name"]: e["status"] for e in await a.enrollments()}
+
+    with PatchStoreServer(StoreState(secret, enrollments_file=path)) as server:
+        asyncio.run(enroll_and_decide(server.url))
+    restarted = StoreState(secret, enrollments_file=path)
+    restarted.load_enrollments()
+    with PatchStoreServer(restarted) as server:
+        assert asyncio.run(statuses(server.url)) == {"laptop": "approved", "desktop": "pending"}
+    with PatchStoreServer(StoreState(secret)) as server:  # no state folder: memory only, as before
+        assert asyncio.run(statuses(server.url)) == {}
+    path.write_text('{"enrollments": [{"fingerprint": "x"}]}')
+    with pytest.raises(ValueError, match="does not hold the store's enrollments"):
+        StoreState(secret, enrollments_file=path).load_enrollments()
+    path.write_text("{not json")
+    (tmp_path / "secret").write_bytes(secret.hex().encode())
+    cli = [sys.executable, "-m", "fedrl.cli", "patch-store", "--secret-file", str(tmp_path / "secret")]
+    done = subprocess.run(cli + ["--state-dir", str(path.parent)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "enrollments.json cannot be read" in done.stderr, done.stderr
+
+
 def test_the_node_state_survives_on_disk_bound_to_its_store(tmp_path):
     t = lambda v: {"a": torch.full((2, 3), v), "b": torch.arange(4.0) * v}  # noqa: E731
     pending = Pending(1, 6, {"a": torch.ones(2, 3)}, {"a": torch.zeros(2, 3)}, 64)
