@@ -51,7 +51,9 @@ class RunConfig(Schema):
     data_shards: int = 0  # the task's data is split in this many shards (client id % shards); 0: min_nodes
     anchor_every: int = 5
     eval_every: int = 4
-    final_eval_size: int = 0  # at the end, also evaluate on this many fresh held-out problems; 0: off
+    # at the end, also evaluate on this many held-out problems (drawn with the eval's seed: a larger
+    # set that may share a few problems with the usual one); 0: off
+    final_eval_size: int = 0
     min_nodes: int = 2
     node_wait_s: float = 120.0
     max_time_s: float = 0.0  # stop after this many seconds on the run's clock; 0: no limit
