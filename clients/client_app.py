@@ -146,6 +146,10 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
             probe = read_probe(node.state_dir)
         except ValueError as err:  # a refusal, with its reason, for the coordinator's log
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=msg)
+        if instr.action == "goodbye":  # off the schedule: its owner may stop it (nobody reads the reply)
+            if node.state_dir:
+                update_status(node.state_dir, phase="left", acknowledged=True, updated_at=time.time())
+            return Message(RecordDict(), reply_to=msg)
         instr = within_caps(instr, probe)
         if node.max_threads:
             torch.set_num_threads(node.max_threads)

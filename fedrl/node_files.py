@@ -5,7 +5,8 @@ writes what it did) and the `fedrl volunteer` process (which shows it and asks i
                 rounds, bytes, rates; `fedrl volunteer status` reads it from another shell
   probe.json    the hardware probe (fedrl.protocol.HardwareProbe): caps the ClientApp keeps to
   leave.json    written on the first Ctrl-C: {"on_exit": "flush" | "drop"}; the ClientApp
-                finishes or abandons its round, answers "leaving" and marks status "left"
+                finishes or abandons its round, answers "leaving" and marks status "left";
+                the coordinator's goodbye then marks it "acknowledged"
   client-state/ the held global adapter, the local copy and the pending delta (resume)
 
 Every write is atomic (a temporary file renamed over the old one), so a process killed in the

@@ -16,7 +16,9 @@ from fedrl.schema import Schema
 
 MESSAGE_TYPE = "train.block"
 MODES = ("parablock", "block-sequential", "fedavg-lora")
-ACTIONS = ("train", "flush")
+# train: a round on a block; flush: hand in the pending delta only; goodbye: the node that withdrew is
+# off the schedule (its owner may stop it: its last reply was pulled)
+ACTIONS = ("train", "flush", "goodbye")
 NO_UPLOAD = -2  # upload_block when a reply carries no upload
 LEAVING = ("", "after-flush", "now")
 

@@ -68,6 +68,7 @@ from fedrl.tasks import get_task
 
 log = logging.getLogger("fedrl.coordinator")
 RECENT_NORMS = 64  # the adaptive clip's memory: norms of the last updates, any block
+GOODBYE_TTL_S = 60.0  # a withdrawn node answers at once; an unanswered goodbye expires
 
 
 @dataclass
@@ -327,6 +328,10 @@ class Coordinator:
         self.members.present.discard(node)
         self.pending_nodes.discard(node)
         self.event("left", node=node, client=self.members.client_id(node), reason="withdrew")
+        # its owner waits for this before stopping the node (Flower answers NODE_UNAVAILABLE for a
+        # message whose node is gone, even when its reply had arrived). Nothing waits for the
+        # answer, which is never pulled: a node already gone costs nothing.
+        self.push(node, self.instruction(node, 0, 0, "goodbye"), GOODBYE_TTL_S)
 
     def wait_for_nodes(self) -> None:
         deadline = time.monotonic() + self.cfg.node_wait_s
@@ -370,22 +375,29 @@ class Coordinator:
             block = self.scheduler.assign_block(node, self.members.client_id(node))
         steps = 0 if action == "flush" else self.scheduler.steps_for(node)
         instr = self.instruction(node, block, steps, action)
-        content = RecordDict({"instruction": ConfigRecord(instr.to_record())})
         # the message's ttl is the wall-clock watchdog; on a virtual clock the deadline is virtual
         ttl = self.cfg.watchdog_s if self.clock.virtual else self.cfg.deadline_s
+        msg_id = self.push(node, instr, ttl)
+        if not msg_id:
+            if action == "train" and block >= 0:
+                self.scheduler.release(block)
+            return
+        self.in_flight[msg_id] = Dispatch(
+            node, block, action, self.version, steps, self.now(), time.monotonic() + ttl + 5
+        )
+        self.clock.sent(msg_id, instr)
+
+    def push(self, node: int, instr: TrainInstruction, ttl: float) -> str:
+        """Send one instruction; its message id, or "" (and an error event) if the SuperLink refused it."""
+        content = RecordDict({"instruction": ConfigRecord(instr.to_record())})
         msg = Message(
             content, dst_node_id=node, message_type=MESSAGE_TYPE, ttl=ttl, group_id=str(self.version)
         )
         ids = list(self.grid.push_messages([msg]))
         if not ids or not ids[0]:
-            if action == "train" and block >= 0:
-                self.scheduler.release(block)
             self.event("error", node=node, reason="message not accepted by the SuperLink")
-            return
-        self.in_flight[ids[0]] = Dispatch(
-            node, block, action, self.version, steps, self.now(), time.monotonic() + ttl + 5
-        )
-        self.clock.sent(ids[0], instr)
+            return ""
+        return ids[0]
 
     def close_dispatch(self, msg_id: str) -> Dispatch | None:
         d = self.in_flight.pop(msg_id, None)

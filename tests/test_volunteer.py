@@ -194,7 +194,8 @@ def test_a_volunteer_that_leaves_is_dropped_at_once(tmp_path, monkeypatch, on_ex
     second message (after its first step) or between messages. flush mid-round: the round is
     finished, then a flush collects its delta; drop: it stops after the step and hands in
     nothing new; idle: the next message hands in the pending delta. Each time the coordinator
-    records "left" at once (no deadline, nothing lost) and sends it nothing more."""
+    records "left" at once (no deadline, nothing lost), sends it a goodbye, which the node
+    writes to its status for its owner, and nothing more."""
     cfg = small_config(tmp_path, versions=4, buffer_size=1, min_nodes=3)
     grid = FakeGrid(3, client_app)
     volunteer = sorted(grid.contexts)[0]
@@ -221,14 +222,15 @@ def test_a_volunteer_that_leaves_is_dropped_at_once(tmp_path, monkeypatch, on_ex
     assert events[left]["reason"] == "withdrew" and "lost" not in kinds and "error" not in kinds
     sent = [instr["action"] for node, instr in grid.sent if node == volunteer]
     expected = {"mid-round": {"flush": ["train", "train", "flush"], "drop": ["train", "train"]}}
-    assert sent == expected.get(when, {}).get(on_exit, ["train", "train", "train"])
+    assert sent == [*expected.get(when, {}).get(on_exit, ["train", "train", "train"]), "goodbye"]
     assert ("leaving" in kinds) == (on_exit == "flush" and when == "mid-round")
     assert kinds[left - 1] == "accepted"  # the delta it held was handed in before it left
     replies = [e for e in events if e["kind"] == "reply"]
     if on_exit == "drop":
         assert replies[-1]["steps"] == 1  # abandoned after the step it was in
     assert summary["versions"] >= 4
-    assert json.loads((state_dir / "status.json").read_text())["phase"] == "left"
+    status = json.loads((state_dir / "status.json").read_text())
+    assert status["phase"] == "left" and status["acknowledged"] is True
 
 
 def test_the_cli_fails_clearly_on_a_bad_invite_and_an_unreachable_store(tmp_path, ca):
@@ -272,8 +274,11 @@ def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
         ("flush", {"phase": "left"}, "", 0, True),  # answered "leaving", nothing else started
         ("flush", {"phase": "left"}, "STARTED", 0, False),  # its reply is not sent yet
         ("flush", {"phase": "left"}, "STARTED SENT", 0, True),
-        ("flush", {"phase": "left", "updated_at": -2}, "STARTED SENT", 0, False),  # not yet pulled
-        ("flush", {"phase": "left", "updated_at": -12}, "STARTED SENT", 0, True),
+        ("flush", {"phase": "left", "updated_at": -2}, "STARTED SENT", 0, False),  # no goodbye yet
+        ("flush", {"phase": "left", "updated_at": -20}, "STARTED SENT", 0, False),
+        ("flush", {"phase": "left", "acknowledged": True}, "STARTED SENT STARTED SENT", 0, True),  # goodbye
+        ("flush", {"phase": "left", "acknowledged": True}, "STARTED SENT STARTED", 0, False),  # answering it
+        ("flush", {"phase": "left", "updated_at": -35}, "STARTED SENT", 0, True),  # none came: gone anyway
         ("flush", {"phase": "working"}, "STARTED", 60, False),  # finishing its round
         ("flush", {"phase": "idle", "holds_delta": True}, "STARTED SENT", 5, False),  # waits for a message
         ("flush", {"phase": "idle", "holds_delta": True}, "STARTED SENT", 35, True),  # none came

@@ -1,8 +1,8 @@
 """Volunteers on a real local deployment: `fedrl patch-store` (TLS), `flower-superlink` (TLS,
 SuperNode auth) and the operator's approver, no SuperNodes of the operator's own. Two
 volunteers join with `fedrl volunteer join INVITE` as processes. During one run, volunteer A is
-withdrawn with SIGINT mid-round (exit 0; the coordinator records "left" at once) and joins
-again (it resumes from its cached state: far fewer bytes down than a fresh node), and
+withdrawn with SIGINT mid-round (exit 0 once the coordinator, which records "left" at once, says
+goodbye) and joins again (it resumes from its cached state: far fewer bytes down than a fresh node), and
 volunteer B is SIGKILLed and restarted (its cache is intact; it rejoins once Flower releases
 its old session and works again). Limits: learner threads and the upload cap are kept to.
 Then a revoked key, a bad invite and an unreachable coordinator fail clearly."""
@@ -107,7 +107,8 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
         )
         a.proc.send_signal(signal.SIGINT)
         assert a.proc.wait(120) == 0, a.log()[-2000:]
-        assert a.status()["phase"] == "left" and "left the federation cleanly" in a.log()
+        assert a.status()["phase"] == "left" and a.status()["acknowledged"] is True
+        assert "left the federation cleanly (left, the coordinator said goodbye)" in a.log()
         a.join()  # again, at once: it holds its last version on disk
 
         # B: SIGKILLed mid-round, restarted; its cache survives

@@ -55,8 +55,9 @@ EXIT_INTERRUPTED = 130
 SESSION_RELEASE_S = 150.0  # how long a crashed node's old session may hold its key (Flower: ~60 s)
 IDLE_LEAVE_S = 30.0  # an idle node with a delta to hand in gets its next message within seconds, or goes
 # Flower's SuperLink answers NODE_UNAVAILABLE for a message whose node has gone offline, even when
-# the reply is already there: the node stays up until the coordinator has surely pulled its last reply
-REPLY_PICKUP_S = 10.0
+# the reply is already there: the node stays up until the coordinator's goodbye says it pulled its
+# last reply, or this long after that reply when no goodbye comes (a coordinator that stopped)
+GOODBYE_WAIT_S = 30.0
 STARTED, SENT = "Start `flwr-clientapp` process", "Sent successfully"  # the SuperNode's log lines
 
 
@@ -266,23 +267,25 @@ class Session:
 
     def left(self, status: dict, log: str) -> bool:
         """Nothing is left to send: no message is being handled and no reply is on its way
-        (stopping the SuperNode sooner loses the reply and the delta it carries), the last reply
-        has had REPLY_PICKUP_S to be pulled, and no delta waits to be handed in with a next
-        message (for at most IDLE_LEAVE_S)."""
+        (stopping the SuperNode sooner loses the reply and the delta it carries), the coordinator
+        said goodbye (or GOODBYE_WAIT_S passed since the last reply without one), and no delta
+        waits to be handed in with a next message (for at most IDLE_LEAVE_S)."""
         waited = time.monotonic() - self.leave_at
         busy = log.count(SENT) < log.count(STARTED) or status.get("phase") == "working"
         if busy:
             return waited > self.exit_timeout_s
+        if status.get("acknowledged"):
+            return True
         if status.get("phase") == "idle" and status.get("holds_delta") and self.on_exit == "flush":
             return waited > IDLE_LEAVE_S
-        return time.time() - status.get("updated_at", 0.0) > REPLY_PICKUP_S
+        return time.time() - status.get("updated_at", 0.0) > GOODBYE_WAIT_S
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
         self.home.remember(self.invite)
         (self.home.state_dir / LEAVE).unlink(missing_ok=True)
-        update_status(self.home.state_dir, phase="connecting")  # not the last session's "left"
+        update_status(self.home.state_dir, phase="connecting", acknowledged=False)  # not the last "left"
         crashed_before = self.home.last_session().get("clean") is False
         write_json(self.home.session, {"pid": os.getpid(), "started": time.time(), "clean": False})
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -320,7 +323,8 @@ class Session:
             line.show(self.node_id, status)
             if self.leave_at is not None and self.left(status, log):
                 line.done()
-                self.say(f"left the federation cleanly ({status.get('phase', 'idle')}); bye")
+                said = "the coordinator said goodbye" if status.get("acknowledged") else "no goodbye came"
+                self.say(f"left the federation cleanly ({status.get('phase', 'idle')}, {said}); bye")
                 return EXIT_OK
             if self.proc.poll() is not None:
                 if self.leave_at is not None:
