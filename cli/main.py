@@ -408,7 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("invite", nargs="?", help="invite string or file (default: the one joined)")
     p.add_argument("--home", help="keep keys, state and logs under this folder (default: your user dirs)")
     p.add_argument("--max-cpu", type=int, default=0, help="CPU threads (and cores) to use; 0: all")
-    p.add_argument("--max-memory", type=float, default=0.0, help="MB the node may use; 0: no limit")
+    p.add_argument(
+        "--max-memory",
+        type=float,
+        default=0.0,
+        help="MB each process of the node may use (the kernel refuses more), and their sum; 0: no limit",
+    )
     p.add_argument("--upload-kbps", type=float, default=0.0, help="cap on uploads to the store; 0: none")
     p.add_argument("--download-kbps", type=float, default=0.0, help="cap on downloads; 0: none")
     p.add_argument("--round-s", type=float, default=60.0, help="the longest local compute of one round")

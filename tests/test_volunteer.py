@@ -330,3 +330,24 @@ def test_an_expired_invite_enrolls_nothing_but_an_approved_node_still_rejoins(tm
     session.enroll()  # approved earlier: the SuperLink, not the invite, decides from here
     with pytest.raises(InviteError, match="valid_days"):
         make_invite("r", "h:1", "https://h:2", ca, new_secret(), valid_days=0, **LEARNER)
+
+
+def test_the_node_is_refused_memory_past_the_cap_by_the_kernel_and_lives_on():
+    """--max-memory is a hard cap on each of the node's processes (they inherit it from the
+    SuperNode): an allocation past it fails in that process, which goes on; below it all is as usual."""
+    from fedrl.volunteer.session import confinement
+
+    code = (
+        "small = bytearray(50 << 20)\n"
+        "try:\n    big = bytearray(400 << 20)\n    print('allocated')\n"
+        "except MemoryError:\n    print('refused')\n"
+        "import resource; print(resource.getrlimit(resource.RLIMIT_DATA)[0] >> 20)\n"
+    )
+    capped = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=confinement(None, 300)
+    )
+    assert capped.returncode == 0 and capped.stdout.split() == ["refused", "300"], capped
+    free = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=confinement(None, 0)
+    )
+    assert free.returncode == 0 and free.stdout.split()[0] == "allocated", free

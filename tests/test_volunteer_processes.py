@@ -4,7 +4,8 @@ volunteers join with `fedrl volunteer join INVITE` as processes. During one run,
 withdrawn with SIGINT mid-round (exit 0 once the coordinator, which records "left" at once, says
 goodbye) and joins again (it resumes from its cached state: far fewer bytes down than a fresh node), and
 volunteer B is SIGKILLed and restarted (its cache is intact; it rejoins once Flower releases
-its old session and works again). Limits: learner threads and the upload cap are kept to.
+its old session and works again). Limits: learner threads, the upload cap and the memory cap
+(the kernel's, on each process of the node) are kept to.
 Then a revoked key, a bad invite and an unreachable coordinator fail clearly."""
 
 import json
@@ -25,6 +26,7 @@ from fedrl.volunteer.home import VolunteerHome
 pytestmark = pytest.mark.slow
 
 UPLOAD_KBPS = 800.0
+MAX_MEMORY_MB = 3000
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,7 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
     a = Volunteer(
         deployment, "a", "--upload-kbps", str(UPLOAD_KBPS), "--on-exit", "flush", "--round-s", "0.05"
     )
-    b = Volunteer(deployment, "b")
+    b = Volunteer(deployment, "b", "--max-memory", str(MAX_MEMORY_MB))
     try:
         a.join()
         b.join()
@@ -117,6 +119,10 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
             240,
             "B working",
         )
+        # B's memory cap is the kernel's on every process of its node, the ClientApp included
+        node_procs = psutil.Process(b.proc.pid).children(recursive=True)
+        limits = {p.rlimit(psutil.RLIMIT_DATA)[0] for p in node_procs}
+        assert len(node_procs) >= 2 and limits == {MAX_MEMORY_MB << 20}, (node_procs, limits)
         b.kill()
         kept = load_from_disk(b.home.state_dir, deployment.store_url)
         assert kept is not None and kept.held_version >= 1

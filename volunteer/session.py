@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -59,6 +60,23 @@ IDLE_LEAVE_S = 30.0  # an idle node with a delta to hand in gets its next messag
 # last reply, or this long after that reply when no goodbye comes (a coordinator that stopped)
 GOODBYE_WAIT_S = 30.0
 STARTED, SENT = "Start `flwr-clientapp` process", "Sent successfully"  # the SuperNode's log lines
+
+
+def confinement(cpus: list[int] | None, max_memory_mb: float):
+    """What the SuperNode process runs before it starts (every process it starts inherits it):
+    stay on `cpus`, and let the kernel refuse memory past `max_memory_mb` (RLIMIT_DATA: heap
+    and private mappings, so an allocation beyond it fails inside that process, which answers
+    an error and lives on, instead of the machine swapping). It caps each process, not their
+    sum: the session watches the sum."""
+    cap = int(max_memory_mb * 2**20)
+
+    def confine() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if cap:
+            resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
+
+    return confine
 
 
 class VolunteerError(Exception):
@@ -198,11 +216,6 @@ class Session:
         argv += ["--max-retries", "5", "--max-wait-time", "60"]
         env = flwr_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         cpus = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else None
-
-        def confine():  # the SuperNode and every process it starts stay on the allowed cores
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
         self.log_offset = self.log_path().stat().st_size if self.log_path().exists() else 0
         with open(self.log_path(), "ab") as log:
             self.proc = subprocess.Popen(
@@ -212,7 +225,7 @@ class Session:
                 env=env,
                 cwd=self.home.data,
                 start_new_session=True,
-                preexec_fn=confine,
+                preexec_fn=confinement(cpus, self.limits.max_memory_mb),
             )
         self.first_try = self.first_try or time.monotonic()
 
