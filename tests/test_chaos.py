@@ -38,9 +38,22 @@ def test_bench_chaos_at_tiny_size_loses_nothing_and_lets_no_nan_in(tmp_path):
 
     out = tmp_path / "chaos.json"
     argv = ["bench", "chaos", "--families", "byzantine", "--clients", "5", "--versions", "2"]
-    argv += ["--rules", "clip", "gate"]
+    argv += ["--rules", "clip", "gate", "--seeds", "2"]
     assert main(argv + ["--attacks", "nan", "scale", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["byzantine_seeds"] == [0, 1]
+    # every seed has its own row per rule and attack, and the summary spans them
+    seeds = {(f["name"], f["rule"]): set() for f in result["faults"]}
+    for f in result["faults"]:
+        seeds[f["name"], f["rule"]].add(f["seed"])
+    assert set(map(frozenset, seeds.values())) == {frozenset({0, 1})}
+    for k in result["byzantine_kept"]:
+        runs = [f for f in result["faults"] if (f["name"], f["rule"]) == (k["name"], k["rule"])]
+        kept = [f["improvement_kept"] for f in runs if f["improvement_kept"] is not None]
+        assert k["seeds"] == [f["seed"] for f in runs if f["improvement_kept"] is not None]
+        assert k["kept_min"] == min(kept) and k["kept_max"] == max(kept), k
+        assert abs(k["kept_mean"] - sum(kept) / len(kept)) < 1e-12
+    result["faults"] = [f for f in result["faults"] if f["seed"] == 0]
     gated = {f["name"]: f for f in result["faults"] if f["rule"] == "gate"}
     rows = {f["name"]: f for f in result["faults"] if f["rule"] == "clip"}
     assert set(rows) == {"byzantine-nan", "byzantine-scale"} and result["attackers"] == 1

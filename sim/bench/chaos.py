@@ -58,6 +58,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kills", type=int, help="coordinator SIGKILLs (default 20; quick 3)")
     parser.add_argument("--mutations", type=int, help="fuzzed patches (default 20000; quick 2000)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        help="byzantine runs per rule and attack, with seeds SEED, SEED+1, ... (default 3; quick 1): "
+        "one eval problem moves a run's kept improvement by about 1.5%%",
+    )
 
 
 def attackers(clients: int, attack: str) -> int:
@@ -92,16 +98,20 @@ def row(name: str, summary: dict, clean: dict, versions: int, **fields) -> dict:
     }
 
 
-def byzantine(base: RunConfig, clients: int, rules: list[str], attacks: list[str], out: Path) -> list[dict]:
+def byzantine(
+    base: RunConfig, clients: int, rules: list[str], attacks: list[str], seeds: list[int], out: Path
+) -> list[dict]:
     rows = []
-    for rule in rules:
+    for seed, rule in ((seed, rule) for seed in seeds for rule in rules):
         clean = None
         for attack in ["", *attacks]:
             print(
-                f"[byzantine/{rule}] {attack or 'clean'}: {clients} clients, {base.versions} versions",
+                f"[byzantine/{rule}/seed {seed}] {attack or 'clean'}: {clients} clients, "
+                f"{base.versions} versions",
                 flush=True,
             )
-            cfg = base.replace(**RULES[rule], out_dir=str(out / f"{rule}-{attack or 'clean'}"), resume=False)
+            run = out / f"seed-{seed}" / f"{rule}-{attack or 'clean'}"
+            cfg = base.replace(**RULES[rule], seed=seed, out_dir=str(run), resume=False)
             s = simulate(
                 cfg, SimConfig(profiles=profiles(clients, attack), clock="virtual"), clients, True, "local"
             )
@@ -120,6 +130,7 @@ def byzantine(base: RunConfig, clients: int, rules: list[str], attacks: list[str
                     clean,
                     base.versions,
                     rule=rule,
+                    seed=seed,
                     tried=len(mine),
                     accepted=sum(e["kind"] == "accepted" for e in mine),
                     rejected=sum(e["kind"] == "rejected" for e in mine),
@@ -304,8 +315,9 @@ def main(args) -> int:
     out = Path(args.out)
     runs = out.parent / f"{out.stem}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
     start, faults, store_latency = time.perf_counter(), [], None
+    seeds = list(range(args.seed, args.seed + (args.seeds or (1 if args.quick else 3))))
     if "byzantine" in args.families:
-        faults += byzantine(base, clients, rules, args.attacks, runs / "byzantine")
+        faults += byzantine(base, clients, rules, args.attacks, seeds, runs / "byzantine")
     if "churn" in args.families:
         faults += churn(base, clients, runs / "churn")
     if "kill" in args.families:
@@ -324,7 +336,9 @@ def main(args) -> int:
             "versions": versions,
             "families": args.families,
             "rules": rules,
+            "byzantine_seeds": seeds,
             "faults": faults,
+            "byzantine_kept": kept_over_seeds(faults),
             "store": store_latency,
             "wall_s": time.perf_counter() - start,
         },
@@ -332,6 +346,7 @@ def main(args) -> int:
     )
     plot(faults, store_latency, path.with_suffix(".png"))
     print_table(faults, store_latency)
+    print_kept(kept_over_seeds(faults))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 
@@ -350,6 +365,40 @@ def print_table(faults: list[dict], store_latency: dict | None) -> None:
         print(f"{f['name']:26} {f.get('rule', ''):13} {counts} {metrics}")
 
 
+def kept_over_seeds(faults: list[dict]) -> list[dict]:
+    """Per Byzantine attack and rule: the improvement kept, mean and range over the seeds, and
+    the clean runs' final metric."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for f in faults:
+        if "rule" in f and f.get("improvement_kept") is not None:
+            groups.setdefault((f["name"], f["rule"]), []).append(f)
+    return [
+        {
+            "name": name,
+            "rule": rule,
+            "seeds": [f["seed"] for f in rows],
+            "kept_mean": sum(f["improvement_kept"] for f in rows) / len(rows),
+            "kept_min": min(f["improvement_kept"] for f in rows),
+            "kept_max": max(f["improvement_kept"] for f in rows),
+            "clean_metric_mean": sum(f["clean_metric"] for f in rows) / len(rows),
+        }
+        for (name, rule), rows in groups.items()
+    ]
+
+
+def print_kept(kept: list[dict]) -> None:
+    if not kept:
+        return
+    print(f"\nimprovement kept, mean [min-max] over seeds ({len(kept[0]['seeds'])})")
+    rules = list(dict.fromkeys(k["rule"] for k in kept))
+    cells = {(k["name"], k["rule"]): k for k in kept}
+    print(f"{'attack':22}" + "".join(f"{r:>20}" for r in rules))
+    for name in dict.fromkeys(k["name"] for k in kept):
+        row = [cells.get((name, r)) for r in rules]
+        text = [f"{k['kept_mean']:.0%} [{k['kept_min']:.0%}-{k['kept_max']:.0%}]" if k else "-" for k in row]
+        print(f"{name.removeprefix('byzantine-'):22}" + "".join(f"{t:>20}" for t in text))
+
+
 def plot(faults: list[dict], store_latency: dict | None, path: Path) -> None:
     import matplotlib
 
@@ -357,9 +406,10 @@ def plot(faults: list[dict], store_latency: dict | None, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     groups: dict[str, list[dict]] = {}
+    first_seed = min((f["seed"] for f in faults if "rule" in f), default=None)
     for f in faults:
-        if "curve" in f:
-            key = f"byzantine, rule {f['rule']}" if "rule" in f else f["name"]
+        if "curve" in f and ("rule" not in f or f["seed"] == first_seed):  # one seed's curves: readable
+            key = f"byzantine, rule {f['rule']}, seed {f['seed']}" if "rule" in f else f["name"]
             groups.setdefault(key, []).append(f)
     panels = len(groups) + (1 if store_latency else 0)
     if not panels:
