@@ -101,9 +101,10 @@ def communicate(
                 if sync == "full":
                     refs = [r for r in refs if r.base_version is None]
                 fetch = lambda ref: verify_signed_patch(run(client.get(ref.key)), public_key)  # noqa: E731
-                result.held, _ = synchronize(
+                result.held, plan = synchronize(
                     held, state.held_version if held else None, instr.version, refs, fetch
                 )
+                result.sync_patches = len(plan)
         finally:
             run(client.__aexit__(None, None, None))
     except Exception as err:  # handed to the compute thread, which raises it
@@ -121,7 +122,9 @@ def _encode_upload(pending: Pending | None, full: bool = False) -> bytes | None:
         return None
     if full:
         return encode_patch(None, pending.new, None, pending.base_version)
-    return encode_patch(pending.base, pending.new, pending.base_version, pending.base_version)
+    # the held global values may travel in a narrower dtype than the update is made in
+    base = {n: b.to(pending.new[n].dtype) for n, b in pending.base.items()}
+    return encode_patch(base, pending.new, pending.base_version, pending.base_version)
 
 
 def _comm_thread(instr, state, upload, sync, runtime, ca_file) -> tuple[threading.Thread, CommResult]:
@@ -296,6 +299,7 @@ def _report(
         bytes_up=comm.bytes_up,
         bytes_down=comm.bytes_down,
         full_sync_bytes=comm.full_sync_bytes,
+        sync_patches=comm.sync_patches,
         staleness=staleness,
         link_bytes_per_s=(comm.bytes_up + comm.bytes_down) / timing.comm_s if timing.comm_s > 0 else 0.0,
         memory_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports KiB

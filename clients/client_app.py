@@ -29,9 +29,27 @@ from fedrl.clients.runtime import NodeRuntime, use_runtime
 from fedrl.node_files import PROBE, read_json, update_status
 from fedrl.protocol import NO_UPLOAD, HardwareProbe, TrainInstruction, TrainReport
 
+# Flower's arrays are numpy's, which has no bfloat16: such a tensor is kept as its raw bits
+# (int16) under its name with this suffix, and comes back bit for bit.
+_BF16_BITS = "::bfloat16-bits"
+
+
+def _record(tensors: dict[str, torch.Tensor]) -> ArrayRecord:
+    arrays = {}
+    for k, t in tensors.items():
+        if t.dtype == torch.bfloat16:
+            k, t = k + _BF16_BITS, t.view(torch.int16)
+        arrays[k] = t
+    return ArrayRecord(arrays)
+
 
 def _tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in record.to_torch_state_dict().items()}
+    out = {}
+    for k, v in record.to_torch_state_dict().items():
+        if k.endswith(_BF16_BITS):
+            k, v = k.removesuffix(_BF16_BITS), v.view(torch.bfloat16)
+        out[k] = v.clone()
+    return out
 
 
 def load_state(state: RecordDict) -> ClientState:
@@ -58,12 +76,12 @@ def save_state(state: RecordDict, s: ClientState) -> None:
     if s.local is None or s.held is None:
         return
     p = s.pending
-    state["local"] = ArrayRecord(s.local)
-    state["held"] = ArrayRecord(s.held)
+    state["local"] = _record(s.local)
+    state["held"] = _record(s.held)
     if p is not None:
-        state["pending_base"], state["pending_new"] = ArrayRecord(p.base), ArrayRecord(p.new)
+        state["pending_base"], state["pending_new"] = _record(p.base), _record(p.new)
     if s.residual:
-        state["residual"] = ArrayRecord(s.residual)
+        state["residual"] = _record(s.residual)
     state["meta"] = ConfigRecord(
         {
             "held_version": int(s.held_version),

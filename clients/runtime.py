@@ -24,6 +24,7 @@ class CommResult:
     held: dict | None = None  # the global adapter it synced to
     upload_key: str = ""
     full_sync_bytes: int = 0  # the cheapest sync to the same version from nothing (what a cache saves)
+    sync_patches: int = 0  # patches the sync downloaded (0: it held the version already)
     links: list[Link] = field(default_factory=list)
     intervals: list[tuple[float, float]] = field(default_factory=list)  # when the link was busy (wall clock)
     error: BaseException | None = None

@@ -1,9 +1,10 @@
 """Versions, anchors and the cheapest way for a receiver to reach the newest state.
 
 The publisher keeps the states it needs (anchors every N versions and a few recent ones)
-and emits a patch per new version, an anchor every N versions, and skip patches
-(v_old -> v_new directly) on request. A receiver ranks the ways to reach a target from
-what it holds (its own version, or nothing) and falls back to the next on any failure.
+and emits for each new version a patch from every recent one (the previous version's, and
+skips v_old -> v_new directly) and an anchor every N versions. A receiver ranks the ways to
+reach a target from what it holds (its own version, or nothing) and falls back to the next on
+any failure.
 """
 
 from __future__ import annotations
@@ -121,6 +122,17 @@ def synchronize(
     raise SyncFailed(f"no way to reach v{target}: " + ("; ".join(errors) or "no patches lead there"))
 
 
+def in_catalog(base: int | None, target: int, latest: int, publisher: PatchPublisher) -> bool:
+    """Whether a published patch stays listed once `latest` is out: the anchors the publisher
+    keeps, the chain from every version it retains, and skips to the latest two versions (a node
+    told to sync to the version before the latest still finds its one download; older skips are
+    dropped to bound the store, and a node syncing to an older version takes the chain)."""
+    if base is None:
+        return target in publisher.anchors
+    retained = base >= latest - publisher.keep_recent
+    return retained and (target == base + 1 or target >= latest - 1)
+
+
 class PatchPublisher:
     """Produces the patches for each new global version and keeps what later patches need."""
 
@@ -137,14 +149,20 @@ class PatchPublisher:
         return next(reversed(self.recent), None)
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> list[tuple[int | None, int, bytes]]:
-        """(base_version, target_version, patch bytes) to store for `version`."""
-        prev_version = self.latest_version
-        prev = self.recent.get(prev_version) if prev_version is not None else None
+        """(base_version, target_version, patch bytes) to store for `version`: a patch from every
+        retained recent version (the previous one's is the chain's next link; the older ones are
+        skips, so a receiver that fell behind downloads one patch, not a chain), and an anchor
+        every `anchor_every` versions."""
+        bases = list(self.recent.items())  # before _remember drops the oldest
         state, digest = self._remember(state, version)
-        out = []
-        if prev is not None:
-            patch = encode_patch(prev[0], state, prev_version, version, self.level, prev[1], digest)
-            out.append((prev_version, version, patch))
+        out = [
+            (
+                base_version,
+                version,
+                encode_patch(base, state, base_version, version, self.level, base_hash, digest),
+            )
+            for base_version, (base, base_hash) in reversed(bases)
+        ]
         if not self.anchors or version % self.anchor_every == 0:
             self.anchors[version] = (state, digest)
             for old in sorted(self.anchors)[: -self.keep_anchors]:
@@ -156,7 +174,7 @@ class PatchPublisher:
 
     def retain(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Keep an earlier state without publishing it (a resumed coordinator's older checkpoints):
-        deltas based on it can still be judged, and the next publish patches from the newest."""
+        deltas based on it can still be judged, and the next publish patches from it."""
         self._remember(state, version)
 
     def _remember(self, state: Mapping[str, torch.Tensor], version: int) -> tuple[dict, str]:
@@ -176,16 +194,6 @@ class PatchPublisher:
     def retained(self) -> dict[int, dict]:
         """Every retained global state (recent and anchors), by version."""
         return {v: kept[0] for v, kept in (self.anchors | self.recent).items()}
-
-    def skip_patch(self, from_version: int) -> bytes:
-        """A patch straight from a retained `from_version` to the latest (a returning client's
-        one download)."""
-        base = self.recent.get(from_version) or self.anchors.get(from_version)
-        if base is None:
-            raise KeyError(f"version {from_version} is no longer retained")
-        target = self.latest_version
-        new, new_hash = self.recent[target]
-        return encode_patch(base[0], new, from_version, target, self.level, base[1], new_hash)
 
     def full(self) -> bytes:
         """An anchor of the latest version (a full sync)."""

@@ -126,6 +126,7 @@ class TrainReport(Schema):
     link_bytes_per_s: float  # bytes moved to and from the store over the seconds its link was busy
     memory_mb: float  # peak resident memory of the process that served the message
     full_sync_bytes: int = 0  # what a node holding nothing would have downloaded for the same version
+    sync_patches: int = 0  # patches downloaded to reach synced_version (1 from any recent version)
     hardware: str = ""  # a volunteer's probe (HardwareProbe as JSON): what it measured and will take on
     leaving: str = ""  # a withdrawing node: "after-flush" (collect its last delta first) or "now"
 
@@ -137,8 +138,8 @@ class TrainReport(Schema):
     def _consistent(self):
         if self.upload_key and (len(self.upload_key) != 64 or set(self.upload_key) - set("0123456789abcdef")):
             raise ValueError("upload_key must be a SHA-256 hex digest")
-        if min(self.steps, self.bytes_up, self.bytes_down, self.upload_samples) < 0:
-            raise ValueError("steps, bytes and samples must be >= 0")
+        if min(self.steps, self.bytes_up, self.bytes_down, self.upload_samples, self.sync_patches) < 0:
+            raise ValueError("steps, bytes, samples and sync_patches must be >= 0")
         for name in ("compute_s", "comm_s", "overlap_s", "duration_s", "link_bytes_per_s", "memory_mb"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):

@@ -21,6 +21,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
@@ -40,7 +41,7 @@ from fedrl.lora import build_adapter_model
 from fedrl.monitor import MonitorServer
 from fedrl.node_files import write_json
 from fedrl.patch import PatchError, PatchLimits, apply_patch
-from fedrl.patch_chain import PatchPublisher
+from fedrl.patch_chain import PatchPublisher, in_catalog
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import MESSAGE_TYPE, LearnerSettings, TrainInstruction, TrainReport
 from fedrl.rollout import greedy_eval
@@ -236,18 +237,22 @@ class Coordinator:
 
     def publish(self) -> None:
         self.refs += put_signed_patches(
-            self.admin, self.publisher.publish(self.global_state, self.version), self.signing_key
+            self.admin, self.publisher.publish(self.wire(self.global_state), self.version), self.signing_key
         )
         failpoint("publish")
-        oldest = self.version - self.publisher.keep_recent
-        anchors = set(self.publisher.anchors)
         self.refs = [
             r
             for r in self.refs
-            if (r["base_version"] is None and r["target_version"] in anchors)
-            or (r["base_version"] is not None and r["base_version"] >= oldest)
+            if in_catalog(r["base_version"], r["target_version"], self.version, self.publisher)
         ]
         self.admin.publish({"latest": self.version, "refs": self.refs, "public_key": self.public_key})
+
+    def wire(self, state: dict) -> dict:
+        """The global state as it is published: cast to the run's wire dtype (bfloat16 halves
+        every download and leaves most small steps out of the patch), while the coordinator keeps
+        and merges into the full-precision state. float32: the state itself."""
+        dtype = getattr(torch, self.cfg.wire_dtype)
+        return {n: t.to(dtype) for n, t in state.items()}
 
     def store_usage(self) -> dict:
         """What the patch store holds now (for the metrics); nothing if it cannot say."""
@@ -285,7 +290,7 @@ class Coordinator:
         older.setdefault(0, dict(self.adapter.initial))  # v0 is never checkpointed; the seeded build is it
         for v in sorted(older):
             if version - self.agg.max_staleness <= v < version:
-                self.publisher.retain(older[v], v)
+                self.publisher.retain(self.wire(older[v]), v)
         self.version, self.global_state = version, tensors
         self.scheduler.load_state_dict(meta["scheduler"])
         self.members.load_state_dict(meta.get("members", {"ids": []}))
@@ -516,6 +521,7 @@ class Coordinator:
             bytes_up=r.bytes_up,
             bytes_down=r.bytes_down,
             full_sync_bytes=r.full_sync_bytes,
+            sync_patches=r.sync_patches,
             duration_s=r.duration_s,
             compute_s=r.compute_s,
             comm_s=r.comm_s,
@@ -542,11 +548,13 @@ class Coordinator:
             meta = self.admin.meta(r.upload_key)
             if node_principal(node) not in meta["uploaders"]:
                 raise Rejected("uploader", f"object was uploaded by {meta['uploaders']}, not by node {node}")
-            base = self.publisher.state(r.upload_base_version)
-            if base is None:
+            published = self.publisher.state(r.upload_base_version)
+            if published is None:
                 raise Rejected(
                     "staleness", f"base version {r.upload_base_version} is no longer retained (too stale)"
                 )
+            # the values the client held, in the dtype the update is made and merged in
+            base = {n: t.to(self.global_state[n].dtype) for n, t in published.items()}
             names = (
                 list(self.global_state)
                 if r.upload_block == ALL_BLOCKS

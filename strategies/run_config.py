@@ -10,6 +10,8 @@ from pydantic import model_validator
 from fedrl.protocol import MODES, check_json, check_temperature, check_upload_density
 from fedrl.schema import Schema
 
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+
 
 class RunConfig(Schema):
     mode: str = "parablock"  # parablock | block-sequential | fedavg-lora
@@ -50,6 +52,9 @@ class RunConfig(Schema):
     )
     data_shards: int = 0  # the task's data is split in this many shards (client id % shards); 0: min_nodes
     anchor_every: int = 5
+    # the dtype global versions travel in (the coordinator keeps and merges in float32):
+    # float32 | bfloat16 | float16
+    wire_dtype: str = "float32"
     eval_every: int = 4
     # at the end, also evaluate on this many held-out problems (drawn with the eval's seed: a larger
     # set that may share a few problems with the usual one); 0: off
@@ -105,6 +110,8 @@ class RunConfig(Schema):
         if self.store_url and not self.store_url.startswith(("http://", "https://")):
             raise ValueError(f"store_url must start with http:// or https://, got {self.store_url!r}")
         check_json(self.task_params, "task_params")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
         return self
 
     @property

@@ -332,3 +332,66 @@ def test_an_update_made_on_an_old_state_and_labelled_with_the_current_base_is_re
     assert rejected and all(e["node"] == 1 and e["cause"] == "rollback" for e in rejected), rejected
     assert "nearer version 0 than the base version" in rejected[0]["reason"]
     assert summary["versions"] >= 6
+
+
+def test_a_node_that_fell_behind_skips_the_chain(tmp_path, monkeypatch):
+    """A node away for several versions comes back holding v0: the catalog has patches straight
+    from each retained version to the latest, so it does not walk the chain version by version
+    (there is no anchor but v0, so without skips it would download one patch per version)."""
+    grid = None
+
+    def script(node, msg, reply):
+        version = msg.content["instruction"]["version"]
+        if node == 3 and version == 0:
+            grid.leave(3)  # away after its first round, holding v0
+        elif node != 3 and version >= 3:
+            grid.join(3)
+        return reply
+
+    from fedrl.strategies.coordinator import Coordinator
+
+    monkeypatch.setattr(Coordinator, "refresh_every_s", 0.0)  # sees the return at once
+    grid = FakeGrid(3, client_app, script)
+    cfg = config(tmp_path, mode="parablock", sync=False, versions=6, buffer_size=1, anchor_every=100)
+    summary = run_coordinator(grid, cfg)
+    back = [
+        e
+        for e in summary["events"]
+        if e["kind"] == "reply" and e["node"] == 3 and e["sync_patches"] and e["synced_version"] >= 3
+    ]
+    assert back, "node 3 never came back"
+    assert back[0]["sync_patches"] < back[0]["synced_version"], back[0]  # fewer than the chain's links
+    assert 0 < back[0]["bytes_down"] < back[0]["full_sync_bytes"], back[0]  # its cache saved the anchor
+
+
+def test_bfloat16_on_the_wire_narrows_downloads_and_clients_hold_the_exact_cast(tmp_path):
+    """wire_dtype bfloat16: versions travel as bf16 casts of the coordinator's float32 state
+    (patches between casts are small), clients hold those casts bit for bit, and the
+    coordinator merges, checkpoints and exports in float32."""
+    import torch
+
+    from fedrl.clients.client_app import load_state
+    from fedrl.patch import state_hash
+    from fedrl.strategies.checkpoint import load_checkpoints
+
+    wide = run_coordinator(FakeGrid(3, client_app), config(tmp_path / "fp32"))
+    grid = FakeGrid(3, client_app)
+    narrow = run_coordinator(grid, config(tmp_path / "bf16", wire_dtype="bfloat16"))
+    assert narrow["versions"] >= 3 and narrow["counts"]["rejected"] == 0
+    down = lambda s: s["bytes_down"] / s["rounds"]  # noqa: E731
+    assert down(narrow) < 0.6 * down(wide), (down(narrow), down(wide))
+    masters = {v: t for v, t, _ in load_checkpoints(tmp_path / "bf16" / "run" / "checkpoints")}
+    assert all(t.dtype == torch.float32 for state in masters.values() for t in state.values())
+    compared = 0
+    for ctx in grid.contexts.values():
+        held = load_state(ctx.state)  # as the node's next message finds it in Flower's context
+        if held.held_version in masters:
+            cast = {n: t.to(torch.bfloat16) for n, t in masters[held.held_version].items()}
+            assert state_hash(held.held) == state_hash(cast), f"a client's v{held.held_version} differs"
+            compared += 1
+    assert compared, "no client held a checkpointed version"
+
+
+def test_a_wire_dtype_that_is_not_a_float_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="wire_dtype must be one of"):
+        config(tmp_path, wire_dtype="int8")

@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from fedrl.patch import read_header, state_hash
-from fedrl.patch_chain import PatchPublisher, PatchRef, SyncFailed, cheapest_path, sync_plans, synchronize
+from fedrl.patch_chain import (
+    PatchPublisher,
+    PatchRef,
+    SyncFailed,
+    cheapest_path,
+    in_catalog,
+    sync_plans,
+    synchronize,
+)
 
 
 def states(n):
@@ -43,19 +51,26 @@ def publish_all(n, anchor_every=4):
     return pub, store, hist
 
 
-def test_publisher_emits_deltas_and_anchors_every_n():
+def test_publisher_emits_deltas_skips_and_anchors_every_n():
     pub, store, hist = publish_all(9, anchor_every=4)
     anchors = sorted(r.target_version for r in store.refs if r.base_version is None)
     deltas = sorted((r.base_version, r.target_version) for r in store.refs if r.base_version is not None)
     assert anchors == [0, 4, 8]
-    assert deltas == [(v, v + 1) for v in range(9)]
+    # from every version the publisher held (keep_recent 3) to the new one: the chain and skips
+    assert deltas == sorted((b, v) for v in range(1, 10) for b in range(max(0, v - 3), v))
     with pytest.raises(ValueError):
         pub.publish(hist[-1], 3)
 
 
-def test_receiver_follows_the_chain_or_the_anchor_bit_identically():
+def test_receiver_takes_one_skip_the_chain_or_the_anchor_bit_identically():
     pub, store, hist = publish_all(9)
-    state, plan = synchronize(hist[6], 6, 9, store.refs, store.fetch)
+    state, plan = synchronize(hist[6], 6, 9, store.refs, store.fetch)  # one download, not a chain
+    assert state_hash(state) == state_hash(hist[9])
+    assert [(r.base_version, r.target_version) for r in plan] == [(6, 9)]
+    links = [r for r in store.refs if r.base_version is not None and r.target_version == r.base_version + 1]
+    assert plan[0].size < sum(r.size for r in links if r.base_version >= 6)
+    chain = [r for r in store.refs if r.base_version is None or r.target_version == r.base_version + 1]
+    state, plan = synchronize(hist[6], 6, 9, chain, store.fetch)  # without skips: the chain
     assert state_hash(state) == state_hash(hist[9]) and [r.target_version for r in plan] == [7, 8, 9]
     fresh, plan = synchronize(None, None, 9, store.refs, store.fetch)
     assert (
@@ -63,17 +78,19 @@ def test_receiver_follows_the_chain_or_the_anchor_bit_identically():
         and plan[0].base_version is None
         and plan[0].target_version == 8
     )
-
-
-def test_skip_patch_takes_a_returning_client_there_in_one_download():
-    pub, store, hist = publish_all(9)
-    data = pub.skip_patch(7)
-    store.put(7, 9, data)
-    state, plan = synchronize(hist[7], 7, 9, store.refs, store.fetch)
-    assert len(plan) == 1 and plan[0].base_version == 7 and state_hash(state) == state_hash(hist[9])
-    with pytest.raises(KeyError):
-        pub.skip_patch(1)  # neither recent nor an anchor any more
     assert read_header(pub.full()).is_anchor
+
+
+def test_the_catalog_lists_kept_anchors_the_retained_chain_and_skips_to_the_latest_two():
+    pub, store, _ = publish_all(9, anchor_every=4)  # keep_recent 3: v7, v8, v9 retained
+    listed = {
+        (r.base_version, r.target_version)
+        for r in store.refs
+        if in_catalog(r.base_version, r.target_version, 9, pub)
+    }
+    assert {t for b, t in listed if b is None} == {4, 8}  # the publisher keeps two anchors
+    assert {(b, t) for b, t in listed if b is not None and t == b + 1} == {(6, 7), (7, 8), (8, 9)}
+    assert {(b, t) for b, t in listed if b is not None and t > b + 1} == {(6, 8), (6, 9), (7, 9)}
 
 
 def test_retained_states_are_bases_for_the_next_publish_without_being_published():
@@ -83,15 +100,15 @@ def test_retained_states_are_bases_for_the_next_publish_without_being_published(
         pub.retain(hist[v], v)
     assert pub.state(4) is None and state_hash(pub.state(5)) == state_hash(hist[5])  # keep_recent holds
     out = pub.publish(hist[7], 7)
-    assert [(base, target) for base, target, _ in out] == [(6, 7), (None, 7)]
+    assert [(base, target) for base, target, _ in out] == [(6, 7), (5, 7), (None, 7)]
     with pytest.raises(ValueError):
         pub.retain(hist[6], 6)  # not newer than what it holds
 
 
 def test_corrupted_or_missing_patch_falls_back_to_the_next_plan():
     pub, store, hist = publish_all(9)
-    bad = next(r for r in store.refs if (r.base_version, r.target_version) == (7, 8))
-    store.objects[bad.key] = store.objects[bad.key][:-3]  # truncated in storage
+    for bad in (r for r in store.refs if r.base_version == 6):  # every way out of v6
+        store.objects[bad.key] = store.objects[bad.key][:-3]  # truncated in storage
     state, plan = synchronize(hist[6], 6, 9, store.refs, store.fetch)
     assert state_hash(state) == state_hash(hist[9]) and plan[0].base_version is None
     gone = next(r for r in store.refs if r.base_version is None and r.target_version == 8)
