@@ -249,7 +249,7 @@ class Coordinator:
 
     def wire(self, state: dict) -> dict:
         """The global state as it is published: cast to the run's wire dtype (bfloat16 halves
-        every download and leaves most small steps out of the patch), while the coordinator keeps
+        every download and makes the ulp distances of a step small), while the coordinator keeps
         and merges into the full-precision state. float32: the state itself."""
         dtype = getattr(torch, self.cfg.wire_dtype)
         return {n: t.to(dtype) for n, t in state.items()}

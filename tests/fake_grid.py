@@ -38,6 +38,13 @@ class FakeGrid(LocalGrid):
             )
         self.present.add(node)
 
+    def held(self, node: int) -> dict:
+        """The global adapter a node holds, as float32 values (what its uploads are made against;
+        versions may travel in a narrower dtype)."""
+        from fedrl.clients.client_app import load_state
+
+        return {n: t.float() for n, t in load_state(self.contexts[node].state).held.items()}
+
     def reply_to(self, node, msg):
         self.sent.append((node, dict(msg.content["instruction"])))
         if node not in self.present:

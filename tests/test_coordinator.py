@@ -72,7 +72,7 @@ def test_nan_stale_and_misattributed_updates_are_rejected(tmp_path):
         instr, report = msg.content["instruction"], reply.content["report"]
         keys.setdefault(node, []).append(report["upload_key"])
         if node == 1:  # NaN: upload a poisoned patch of its block under its own credential
-            held = {k: v.clone() for k, v in grid.contexts[1].state["held"].to_torch_state_dict().items()}
+            held = grid.held(1)
             block_names = [n for n in held if f".layers.{report['upload_block']}." in n]
             base = {n: held[n] for n in block_names}
             poisoned = {n: t.clone() for n, t in base.items()}
@@ -133,11 +133,11 @@ def test_a_resumed_coordinator_keeps_older_checkpoints_as_bases(tmp_path):
     latest = max(kept)
     with Coordinator(FakeGrid(3, client_app), cfg.replace(versions=latest + 2)) as again:
         assert again.resume() and again.version == latest
-        for v in (latest - 2, latest - 1):
-            assert state_hash(again.publisher.state(v)) == state_hash(kept[v])
+        for v in (latest - 2, latest - 1):  # as published: cast to the wire dtype
+            assert state_hash(again.publisher.state(v)) == state_hash(again.wire(kept[v]))
     with Coordinator(FakeGrid(3, client_app), cfg.replace(max_staleness=latest)) as again:
         assert again.resume()  # v0 has no checkpoint: the coordinator's seeded build stands for it
-        assert state_hash(again.publisher.state(0)) == state_hash(again.adapter.initial)
+        assert state_hash(again.publisher.state(0)) == state_hash(again.wire(again.adapter.initial))
         again.publish()
         assert any(r["base_version"] == latest - 1 and r["target_version"] == latest for r in again.refs)
 
@@ -185,7 +185,7 @@ def test_a_dishonest_node_with_a_valid_credential_cannot_crash_the_coordinator(t
         if reply.has_error():
             return reply
         instr, report = msg.content["instruction"], reply.content["report"]
-        held = grid.contexts[node].state["held"].to_torch_state_dict()
+        held = grid.held(node)
         base_version = report["upload_base_version"]
         if node == 1:  # the whole adapter, x100, reported as a whole-adapter upload in block mode
             key = upload(node, instr, {n: 100 * t for n, t in held.items()}, base_version)
@@ -309,7 +309,7 @@ def test_an_update_made_on_an_old_state_and_labelled_with_the_current_base_is_re
         if reply.has_error() or node != 1 or not reply.content["report"]["upload_key"]:
             return reply
         instr, report = msg.content["instruction"], reply.content["report"]
-        held = grid.contexts[1].state["held"].to_torch_state_dict()
+        held = grid.held(1)
         first_held.setdefault("v0", {k: v.clone() for k, v in held.items()})
         if instr["version"] < 3:
             return reply
@@ -374,7 +374,7 @@ def test_bfloat16_on_the_wire_narrows_downloads_and_clients_hold_the_exact_cast(
     from fedrl.patch import state_hash
     from fedrl.strategies.checkpoint import load_checkpoints
 
-    wide = run_coordinator(FakeGrid(3, client_app), config(tmp_path / "fp32"))
+    wide = run_coordinator(FakeGrid(3, client_app), config(tmp_path / "fp32", wire_dtype="float32"))
     grid = FakeGrid(3, client_app)
     narrow = run_coordinator(grid, config(tmp_path / "bf16", wire_dtype="bfloat16"))
     assert narrow["versions"] >= 3 and narrow["counts"]["rejected"] == 0

@@ -105,7 +105,9 @@ def test_answers_sampled_at_a_temperature_are_scored_at_that_temperature():
 
 @pytest.mark.parametrize("method", ["dg", "ppo"])
 def test_micro_batches_of_whole_groups_take_the_same_step_as_the_whole_batch(method):
-    """Gradient accumulation: the step (and its metrics) equals the one-pass step."""
+    """Gradient accumulation: the step's gradient (and its metrics) equals the one-pass step's.
+    Compared before Adam: its first step is about lr * sign(g), so an entry whose gradient is
+    float noise may step either way, more on some CPUs' kernels than others."""
     task = ReversalTask(length=4)
     batch = rollout(tiny_model(0, alphabet="01"), task, task.sample(5, np.random.default_rng(2)), 4)
     batch = score(task, batch)
@@ -115,9 +117,12 @@ def test_micro_batches_of_whole_groups_take_the_same_step_as_the_whole_batch(met
     for micro in (0, 8):
         lm = tiny_model(0, alphabet="01")
         learner = Learner(list(lm.model.parameters()), LearnerConfig(method, micro_batch=micro))
-        metrics = lm_update(learner, lm.model, batch)
-        steps.append((metrics, [p.detach().clone() for p in lm.model.parameters()]))
-    (whole, after_whole), (micro, after_micro) = steps
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(after_whole, after_micro))
+        metrics = lm_update(learner, lm.model, batch)  # the accumulated gradient stays in .grad
+        steps.append((metrics, [p.grad.detach().clone() for p in lm.model.parameters()]))
+    (whole, grad_whole), (micro, grad_micro) = steps
+    scale = max(float(g.abs().max()) for g in grad_whole)
+    assert scale > 0 and all(
+        torch.allclose(a, b, rtol=1e-5, atol=1e-5 * scale) for a, b in zip(grad_whole, grad_micro)
+    )
     assert whole.keys() == micro.keys()
     assert all(abs(whole[k] - micro[k]) < 1e-5 * max(1.0, abs(whole[k])) for k in whole)

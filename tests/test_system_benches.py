@@ -62,6 +62,7 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
         engine="local",
         target=0.3,
         upload_density=0.05,
+        wire_dtype="bfloat16",
         strategies=list(async_rounds.STRATEGIES),
     )
     assert async_rounds.main(args) == 0

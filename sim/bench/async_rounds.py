@@ -16,7 +16,7 @@ from fedrl.bench.common import write_json
 from fedrl.sim.report import write_report
 from fedrl.sim.runner import simulate
 from fedrl.sim.simulated_server import SimConfig
-from fedrl.strategies.run_config import RunConfig
+from fedrl.strategies.run_config import WIRE_DTYPES, RunConfig
 
 STRATEGIES = {
     "fedavg-lora": dict(mode="fedavg-lora", sync=True),
@@ -48,6 +48,12 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES), help="which to run"
+    )
+    parser.add_argument(
+        "--wire-dtype",
+        choices=WIRE_DTYPES,
+        default=RunConfig.model_fields["wire_dtype"].default,
+        help="the dtype versions travel in, for every strategy (fedavg-lora's whole adapters too)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=["local", "ray"], default="local")
@@ -97,6 +103,7 @@ def main(args) -> int:
         deadline_s=args.deadline_s,
         eval_every=2 if args.quick else 1,
         seed=args.seed,
+        wire_dtype=args.wire_dtype,
     )
     start = time.perf_counter()
     results, step_s = [], 0.0
@@ -147,6 +154,7 @@ def main(args) -> int:
             "step_s": step_s,
             "engine": args.engine,
             "upload_density": args.upload_density,
+            "wire_dtype": args.wire_dtype,
             "wall_s": time.perf_counter() - start,
             "strategies": results,
         },
