@@ -553,20 +553,18 @@ class Coordinator:
                 raise Rejected(
                     "staleness", f"base version {r.upload_base_version} is no longer retained (too stale)"
                 )
-            # the values the client held, in the dtype the update is made and merged in
-            base = {n: t.to(self.global_state[n].dtype) for n, t in published.items()}
             names = (
                 list(self.global_state)
                 if r.upload_block == ALL_BLOCKS
                 else self.adapter.part.names(r.upload_block)
             )
+            # the block's values the client held, in the dtype the update is made and merged in
+            base = {n: published[n].to(self.global_state[n].dtype) for n in names}
             limits = upload_limits([base[n] for n in names])
             if meta["size"] > limits.max_patch_bytes:  # refused before the download
                 raise Rejected("size", f"upload of {meta['size']} bytes, more than the block can need")
             blob = self.admin.get(r.upload_key, max_bytes=limits.max_patch_bytes)
-            new = apply_patch(
-                None if r.upload_block == ALL_BLOCKS else {n: base[n] for n in names}, blob, limits=limits
-            )
+            new = apply_patch(None if r.upload_block == ALL_BLOCKS else base, blob, limits=limits)
             if set(new) != set(names):
                 raise Rejected("shape", "the upload does not carry exactly the block's tensors")
             odd = [n for n in names if new[n].shape != base[n].shape or new[n].dtype != base[n].dtype]
