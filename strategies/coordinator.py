@@ -56,6 +56,7 @@ from fedrl.strategies.aggregation import (
     aggregate_block,
     norm_bound,
     older_base,
+    outlier_reason,
     rejection_reason,
     update_norm,
 )
@@ -135,7 +136,12 @@ class Coordinator:
             cfg.num_blocks, cfg.schedule, cfg.base_steps, cfg.min_steps, cfg.max_steps, cfg.seed
         )
         self.agg = AggregationConfig(
-            cfg.alpha, cfg.max_staleness, cfg.clip_norm or None, cfg.clip_multiple, cfg.robust
+            cfg.alpha,
+            cfg.max_staleness,
+            cfg.clip_norm or None,
+            cfg.clip_multiple,
+            cfg.refuse_multiple,
+            cfg.robust,
         )
         self.recent_norms: collections.deque = collections.deque(maxlen=RECENT_NORMS)  # clipped norms
         self.gate = (
@@ -581,6 +587,10 @@ class Coordinator:
             reason = rejection_reason(update, self.agg)
             if reason:
                 raise Rejected("update", reason)
+            queued = [update_norm(u.delta) for u in self.buffer]
+            reason = outlier_reason(update_norm(delta), [*self.recent_norms, *queued], self.agg)
+            if reason:
+                raise Rejected("norm", reason)
             older = older_base(new, r.upload_base_version, self.publisher.retained())
             if older is not None:
                 raise Rejected(

@@ -42,6 +42,8 @@ class RunConfig(Schema):
     robust: str = "mean"  # mean | trimmed-mean | median
     clip_norm: float = 0.0  # a fixed per-update norm clip; 0: off
     clip_multiple: float = 3.0  # adaptive clip: 3x the median norm of recent updates; 0: off
+    # refuse (not clip) an update over this many times the median norm of recent updates; 0: off
+    refuse_multiple: float = 10.0
     # verification gate: score each update on this many probe problems before merging it; 0: off
     gate_probe: int = 0
     gate_tolerance: float = 0.05  # refuse an update that lowers the probe's mean reward by more than this

@@ -12,6 +12,7 @@ from fedrl.strategies.aggregation import (
     clip_delta,
     norm_bound,
     older_base,
+    outlier_reason,
     rejection_reason,
     staleness_weight,
     update_norm,
@@ -118,6 +119,30 @@ def test_recent_norms_bound_a_buffer_that_is_mostly_attackers():
     assert float(out.norm()) <= 3.0 * sorted(history)[len(history) // 2] + 1e-6
     with pytest.raises(ValueError, match="clip_multiple"):
         AggregationConfig(clip_multiple=0.5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([100.0, -100.0, 20.0]))
+def test_updates_far_beyond_their_peers_norms_are_refused_and_honest_ones_never(seed, scale):
+    """×100 (or a sign-flipped ×100, or ×20) of an honest update is refused next to the norms
+    of honest ones; every honest update passes; ×3 (inside the bound) is left to the clip."""
+    honest, attackers, mean = honest_and_attackers(scale, seed=seed)
+    cfg = AggregationConfig(clip_multiple=3.0, refuse_multiple=10.0)
+    norms = [update_norm(u.delta) for u in honest]
+    assert all(outlier_reason(n, norms, cfg) is None for n in norms)
+    reason = outlier_reason(update_norm(attackers[0].delta), norms, cfg)
+    assert reason and "refused beyond 10x" in reason
+    assert outlier_reason(3 * float(mean.norm()), norms, cfg) is None
+
+
+def test_the_norm_refusal_needs_peers_and_can_be_off():
+    cfg = AggregationConfig(refuse_multiple=10.0)
+    assert outlier_reason(1e6, [1.0, 1.0], cfg) is None  # too few norms to call anything an outlier
+    assert "1000000x the median" in outlier_reason(1e6, [1.0, 1.0, 1.0], cfg)
+    assert "infinitely" in outlier_reason(1.0, [0.0, 0.0, 0.0], cfg)  # zero updates all round
+    assert outlier_reason(1e6, [1.0] * 8, AggregationConfig()) is None  # off by default here
+    with pytest.raises(ValueError, match="refuse_multiple"):
+        AggregationConfig(refuse_multiple=0.5)
 
 
 def _trajectory(steps: int, seed: int) -> dict[int, dict[str, torch.Tensor]]:

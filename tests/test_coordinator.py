@@ -258,6 +258,44 @@ def test_a_node_claiming_more_samples_than_a_round_yields_is_rejected(tmp_path):
     assert summary["versions"] >= 2 and summary["counts"]["accepted"] >= 2
 
 
+def test_an_update_far_beyond_its_peers_norms_is_refused_not_clipped_in(tmp_path):
+    """Node 1 hands in its honest update x100 as a valid patch: with a norm 100x its peers' it
+    is refused (cause `norm`) and goes on its record; the honest nodes carry the run."""
+    from fedrl.patch import apply_patch, encode_patch
+    from fedrl.store_client import BlockingStoreClient
+
+    grid = None
+
+    def script(node, msg, reply):
+        if reply.has_error() or node != 1 or not reply.content["report"]["upload_key"]:
+            return reply
+        instr, report = msg.content["instruction"], reply.content["report"]
+        held = grid.held(1)
+        names = [n for n in held if f".layers.{report['upload_block']}." in n]
+        base = {n: held[n].float() for n in names}
+        store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
+        try:
+            honest = apply_patch(base, store.get(report["upload_key"]))
+            scaled = {n: base[n] + 100 * (honest[n] - base[n]) for n in names}
+            key = store.put(
+                encode_patch(base, scaled, report["upload_base_version"], report["upload_base_version"])
+            )
+        finally:
+            store.close()
+        return _with_report(msg, reply, upload_key=key)
+
+    grid = FakeGrid(4, client_app, script)
+    cfg = config(tmp_path, mode="block-sequential", sync=True, versions=4, reputation=True)
+    summary = run_coordinator(grid, cfg)
+    rejected = [e for e in summary["events"] if e["kind"] == "rejected"]
+    # the first round may have too few norms to compare with; every later x100 is refused
+    assert len(rejected) >= 3 and all(e["node"] == 1 and e["cause"] == "norm" for e in rejected), rejected
+    assert "the median" in rejected[0]["reason"] and "refused beyond 10x" in rejected[0]["reason"]
+    assert summary["versions"] >= 4
+    client = str(next(e["client"] for e in summary["events"] if e["kind"] == "joined" and e["node"] == 1))
+    assert summary["reputation"][client] < 0.5  # refusals count against it
+
+
 def test_a_resumed_run_keeps_the_held_out_evals_made_after_its_last_checkpoint(tmp_path):
     """Found by `bench chaos` (kill loop): the eval of a version ran after that version's
     checkpoint, so a coordinator killed before the next version lost it from its history."""

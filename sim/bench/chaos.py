@@ -2,12 +2,14 @@
 
 Families (`--families`, default all):
   byzantine  20% of clients upload, instead of their update, the update x100 (`scale`), x-100
-             (`flip`), reversed at its own size (`ascent`: a valid patch of a harmful update),
-             noise 100x its norm (`random`) or NaN (`nan`), under each aggregation rule (mean,
-             the default clip, trimmed mean, median, and `gate`: the clip plus the verification
-             gate and reputation weights) vs a clean run with the same seed and rule.
-             Block-sequential synchronous rounds, so every update of a round lands in one
-             block's aggregate; virtual clock, the real ClientApp and coordinator in-process.
+             (`flip`), x-3 (`flip-x3`: inside the norm refusal, at the clip), reversed at its
+             own size (`ascent`: a valid patch of a harmful update), noise 100x its norm
+             (`random`) or NaN (`nan`), under each aggregation rule (`mean`: no clip, no norm
+             refusal; the default `clip` with the norm refusal; trimmed mean; median; and
+             `gate`: the clip plus the verification gate and reputation weights) vs a clean
+             run with the same seed and rule. Block-sequential synchronous rounds, so every
+             update of a round lands in one block's aggregate; virtual clock, the real
+             ClientApp and coordinator in-process.
   churn      30% of the nodes leave (replies in flight lost), as many new ones join, the
              leavers return, in an async (parablock) and a sync (block-sequential) run, vs the
              same run without churn.
@@ -24,6 +26,7 @@ JSON: {"faults": [{"name", "tried", "survived", "silently_accepted", "versions_l
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from pathlib import Path
@@ -38,7 +41,7 @@ from fedrl.strategies.run_config import RunConfig
 FAMILIES = ("byzantine", "churn", "kill", "store", "fuzz")
 CLIP = dict(robust="mean", clip_multiple=3.0)
 RULES = {  # name: run config; "clip" is the default rule of a run
-    "mean": dict(robust="mean", clip_multiple=0.0),
+    "mean": dict(robust="mean", clip_multiple=0.0, refuse_multiple=0.0),
     "clip": CLIP,
     "trimmed-mean": dict(robust="trimmed-mean", clip_multiple=3.0),
     "median": dict(robust="median", clip_multiple=3.0),
@@ -138,6 +141,14 @@ def byzantine(
                     # bounded by the rule (clipped/trimmed/gated), which `improvement_kept` measures
                     silently_accepted=sum(e["kind"] == "accepted" for e in mine) if attack == "nan" else 0,
                     clipped=sum(e.get("clipped", 0) for e in s["events"] if e["kind"] == "version"),
+                    refused_by_cause=dict(
+                        collections.Counter(e["cause"] for e in mine if e["kind"] == "rejected")
+                    ),
+                    honest_refused=dict(
+                        collections.Counter(
+                            e["cause"] for e in judged if e["kind"] == "rejected" and e.get("node") not in bad
+                        )
+                    ),
                     gate_caught=sum(e.get("node") in bad for e in gated),
                     gate_refused_honest=sum(e.get("node") not in bad for e in gated),
                     gate_cpu_s_per_update=(s["gate"]["cpu_s"] / max(s["gate"]["updates_scored"], 1))
