@@ -2,8 +2,8 @@
 
 Each life of the run is a real `fedrl sim --engine local ... --set resume=true` process, killed
 with SIGKILL and started again. The lives take turns at where the kill lands: at a random
-moment within about one version's time after the life's first version (mostly while it waits
-for replies), and, through a failpoint (fedrl.failpoints), in the middle of an aggregation, of
+moment within about one version's time after the life's first version and before its second
+(mostly while it waits for replies), and, through a failpoint (fedrl.failpoints), in the middle of an aggregation, of
 a checkpoint file's write, and of a publish, at its 2nd to 4th time there. The event
 log (`events.jsonl`, appended across lives) says what each life reached and where the next one
 resumed from: versions lost per kill is the last version announced before the kill minus the
@@ -93,10 +93,19 @@ def kill_loop(
             break
         killed_by = "failpoint"
         if proc.poll() is None:  # a random moment of the next version's making (or a failpoint never hit)
-            time.sleep(float(rng.uniform(0, interval)) if phase == "random" else 0.0)
-            os.kill(proc.pid, signal.SIGKILL)
+            if phase == "random":
+                # no later than the life's second version: before a life has measured the pace,
+                # `interval` is a guess, and a fast run would otherwise end in this one life
+                until = time.monotonic() + float(rng.uniform(0, interval))
+                while time.monotonic() < until and proc.poll() is None:
+                    if sum(e["kind"] == "version" for e in events_of(run_dir)[seen:]) >= 2:
+                        break
+                    time.sleep(0.05)
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
             killed_by = "loop"
-        proc.wait()
+        if proc.wait() == 0:  # it ended while the kill was being aimed
+            break
         life = events_of(run_dir)[seen:]
         walls = [e["wall"] for e in life if e["kind"] == "version"]
         if len(walls) > 1:

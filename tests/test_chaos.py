@@ -83,12 +83,12 @@ def test_bench_chaos_faults_at_tiny_size_lose_at_most_a_version_and_accept_nothi
 
     out = tmp_path / "chaos.json"
     argv = ["bench", "chaos", "--quick", "--families", "churn", "kill", "store", "fuzz", "--clients", "3"]
-    assert main(argv + ["--versions", "6", "--kills", "4", "--mutations", "500", "--out", str(out)]) == 0
+    assert main(argv + ["--versions", "8", "--kills", "4", "--mutations", "500", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {f["name"]: f for f in result["faults"]}
     assert all(f["survived"] and f["silently_accepted"] == 0 for f in rows.values()), rows
     for mode in ("churn-parablock-async", "churn-block-sequential-sync"):
-        churned = rows[mode]  # how far the schedule gets in 6 versions depends on the machine's pace
+        churned = rows[mode]  # how far the schedule gets in 8 versions depends on the machine's pace
         assert churned["churn"][0]["what"] == "left" and churned["replies_failed_in_flight"] == 1, churned
         assert churned["identities_stable"] and churned["left_events"] >= 1 and churned["versions_lost"] == 0
     killed = rows["coordinator-kill-9"]
