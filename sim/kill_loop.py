@@ -3,12 +3,12 @@
 Each life of the run is a real `fedrl sim --engine local ... --set resume=true` process, killed
 with SIGKILL and started again. The lives take turns at where the kill lands: at a random
 moment within about one version's time after the life's first version and before its second
-(mostly while it waits for replies), and, through a failpoint (fedrl.failpoints), in the middle of an aggregation, of
-a checkpoint file's write, and of a publish, at its 2nd to 4th time there. The event
-log (`events.jsonl`, appended across lives) says what each life reached and where the next one
-resumed from: versions lost per kill is the last version announced before the kill minus the
-version resumed from. After the last kill the run goes to its end; its final metric is
-compared with an unkilled run of the same command and seed.
+(mostly while it waits for replies), and, through a failpoint (fedrl.failpoints), in the middle
+of an aggregation, of a checkpoint file's write, and of a publish, at its 2nd to 4th time
+there. The event log (`events.jsonl`, appended across lives) says what each life reached and
+where the next one resumed from: versions lost per kill is the last version announced before
+the kill minus the version resumed from. After the last kill the run goes to its end; its final
+metric is compared with an unkilled run of the same command and seed.
 """
 
 from __future__ import annotations
