@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,10 @@ class Update:
     num_samples: int
     staleness: int
     weight: float = 1.0  # the client's reputation (fedrl.strategies.reputation); 1: not weighed
+    norm: float = field(init=False)  # of the delta: judged on arrival, logged, clipped at aggregation
+
+    def __post_init__(self):
+        self.norm = update_norm(self.delta)
 
 
 def staleness_weight(staleness: int, alpha: float) -> float:

@@ -58,7 +58,6 @@ from fedrl.strategies.aggregation import (
     older_base,
     outlier_reason,
     rejection_reason,
-    update_norm,
 )
 from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_checkpoints
 from fedrl.strategies.gate import VerificationGate
@@ -587,8 +586,8 @@ class Coordinator:
             reason = rejection_reason(update, self.agg)
             if reason:
                 raise Rejected("update", reason)
-            queued = [update_norm(u.delta) for u in self.buffer]
-            reason = outlier_reason(update_norm(delta), [*self.recent_norms, *queued], self.agg)
+            queued = [u.norm for u in self.buffer]
+            reason = outlier_reason(update.norm, [*self.recent_norms, *queued], self.agg)
             if reason:
                 raise Rejected("norm", reason)
             older = older_base(new, r.upload_base_version, self.publisher.retained())
@@ -617,7 +616,6 @@ class Coordinator:
                 self.admin.delete(r.upload_key, node_principal(node))
             except StoreError:
                 pass
-        norm = round(update_norm(delta), 6)
         self.reputation.record(client, accepted=True)
         self.event(
             "accepted",
@@ -625,7 +623,7 @@ class Coordinator:
             node=node,
             block=r.upload_block,
             staleness=staleness,
-            norm=norm,
+            norm=round(update.norm, 6),
             weight=round(weight, 4),
             **probe,
         )
@@ -645,7 +643,7 @@ class Coordinator:
             else:
                 by_block.setdefault(u.block, []).append(u)
         new_state = dict(self.global_state)  # tensors are replaced, never mutated (lazy checkpoint copies)
-        norms = {b: [update_norm(u.delta) for u in us] for b, us in by_block.items()}
+        norms = {b: [u.norm for u in us] for b, us in by_block.items()}
         clipped, kept = 0, []
         for block, updates in by_block.items():
             # the clip's reference: recent norms and this aggregation's other updates, of any block
