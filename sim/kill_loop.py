@@ -85,26 +85,22 @@ def kill_loop(
             env=env,
         )
         start, deadline = time.monotonic(), time.monotonic() + life_timeout_s
+        kill_at = None  # random phase: a moment within `interval` after the life's first version
         while time.monotonic() < deadline and proc.poll() is None:
-            if phase == "random" and any(e["kind"] == "version" for e in events_of(run_dir)[seen:]):
-                break
-            time.sleep(0.05)
-        if proc.poll() == 0:  # the run ended before this kill: nothing left to kill
-            break
-        killed_by = "failpoint"
-        if proc.poll() is None:  # a random moment of the next version's making (or a failpoint never hit)
             if phase == "random":
+                versions = sum(e["kind"] == "version" for e in events_of(run_dir)[seen:])
+                if versions and kill_at is None:
+                    kill_at = time.monotonic() + float(rng.uniform(0, interval))
                 # no later than the life's second version: before a life has measured the pace,
                 # `interval` is a guess, and a fast run would otherwise end in this one life
-                until = time.monotonic() + float(rng.uniform(0, interval))
-                while time.monotonic() < until and proc.poll() is None:
-                    if sum(e["kind"] == "version" for e in events_of(run_dir)[seen:]) >= 2:
-                        break
-                    time.sleep(0.05)
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
+                if versions >= 2 or (kill_at is not None and time.monotonic() >= kill_at):
+                    break
+            time.sleep(0.05)
+        killed_by = "failpoint"
+        if proc.poll() is None:  # the aimed moment (or a failpoint never reached before the deadline)
+            os.kill(proc.pid, signal.SIGKILL)
             killed_by = "loop"
-        if proc.wait() == 0:  # it ended while the kill was being aimed
+        if proc.wait() == 0:  # the run ended before this kill: nothing left to kill
             break
         life = events_of(run_dir)[seen:]
         walls = [e["wall"] for e in life if e["kind"] == "version"]
