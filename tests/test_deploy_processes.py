@@ -88,8 +88,9 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     # a cold restarted node is slow under load; 6-8 steps of 64 samples per message (not SMALL's
     # 2-3 of 16) so that 4 versions learn measurably: with SMALL the held-out error moved by
     # 0-1 of 128 problems on some CPUs, and the assertion below was a coin flip
-    config = dict(SMALL, versions=4, out_dir=str(out), deadline_s=60.0)
-    config.update(base_steps=6, max_steps=8, prompts=8, samples=8)
+    config = dict(
+        SMALL, base_steps=6, max_steps=8, prompts=8, samples=8, versions=4, out_dir=str(out), deadline_s=60.0
+    )
     clientapps = lambda: (deployment.logs / "node-3.log").read_text().count("Start `flwr-clientapp` process")
     started = clientapps()
     run_id = deployment.submit(**config)
