@@ -14,6 +14,7 @@ Links, pacing, timing and the actor's faults come from the runtime (fedrl.client
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import resource
 import threading
@@ -27,8 +28,9 @@ from fedrl.clients.model_cache import ModelCache
 from fedrl.clients.runtime import CommResult, Runtime, Timing, current_runtime
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.lora import AdapterModel
-from fedrl.patch import encode_patch
-from fedrl.patch_chain import PatchRef, cheapest_path, synchronize
+from fedrl.patch import encode_patch, state_hash
+from fedrl.patch_chain import published, synchronize
+from fedrl.patch_routes import PatchRef, cheapest_path
 from fedrl.protocol import NO_UPLOAD, TrainInstruction, TrainReport
 from fedrl.rollout import rollout, score
 from fedrl.signing import load_public_key, verify_signed_patch
@@ -80,8 +82,9 @@ def communicate(
     ca_file: str | None = None,
 ) -> None:
     """The communication thread: upload (if any), then bring the held global adapter to
-    instr.version: sync="patch" by the cheapest verified patches, "full" by an anchor only
-    (fedavg-lora exchanges the whole adapter), "none" to skip. `ca_file` verifies an https store."""
+    instr.version: sync="patch" by the cheapest verified patches, "full" by an anchor unless that
+    version is held already (fedavg-lora exchanges the whole adapter), "none" to skip. `ca_file`
+    verifies an https store."""
     start = time.perf_counter()
     link = runtime.open_link()
     result.links.append(link)
@@ -95,15 +98,14 @@ def communicate(
                 result.upload_key = run(client.put(upload))
             if sync != "none":
                 public_key = load_public_key(instr.public_key.encode())
-                refs = [PatchRef(**r) for r in run(client.catalog())["refs"]]
+                held = state.held if sync == "patch" or state.held_version == instr.version else None
+                held_version = state.held_version if held else None
+                refs = [PatchRef(**r) for r in run(client.catalog(instr.version, held_version))["refs"]]
                 result.full_sync_bytes = sum(r.size for r in cheapest_path(refs, None, instr.version) or [])
-                held = state.held if sync == "patch" else None
                 if sync == "full":
                     refs = [r for r in refs if r.base_version is None]
                 fetch = lambda ref: verify_signed_patch(run(client.get(ref.key)), public_key)  # noqa: E731
-                result.held, plan = synchronize(
-                    held, state.held_version if held else None, instr.version, refs, fetch
-                )
+                result.held, plan = synchronize(held, held_version, instr.version, refs, fetch)
                 result.sync_patches = len(plan)
         finally:
             run(client.__aexit__(None, None, None))
@@ -113,6 +115,18 @@ def communicate(
         loop.close()
         result.intervals.append((start, time.perf_counter()))
         result.done.set()
+
+
+def holding_origin(state: ClientState, initial: Tensors, instr: TrainInstruction) -> ClientState:
+    """A node that holds no version yet builds v0 itself: v0 is the seeded adapter, published in
+    the wire dtype. When its hash is the coordinator's (`origin_hash`), the node holds v0 and syncs
+    from it by patches instead of downloading an anchor; otherwise it holds nothing, as before."""
+    if state.held is not None or not instr.origin_hash:
+        return state
+    v0 = published(initial, instr.wire_dtype)
+    if state_hash(v0) != instr.origin_hash:
+        return state
+    return dataclasses.replace(state, held=v0, held_version=0)
 
 
 def _encode_upload(pending: Pending | None, full: bool = False) -> bytes | None:
@@ -165,6 +179,7 @@ def handle(
         return report, ClientState(state.local, state.held, state.held_version, residual=state.residual)
 
     adapter = models.get(instr.model, instr.lora_rank, instr.lora_alpha, instr.num_blocks)
+    state = holding_origin(state, adapter.initial, instr)
     names = adapter.part.names(instr.block)  # block -1: the whole adapter
     overlapped = instr.mode == "parablock" and state.local is not None
     upload = _encode_upload(state.pending) if instr.mode == "parablock" else None

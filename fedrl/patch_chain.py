@@ -2,17 +2,15 @@
 
 The publisher keeps the states it needs (anchors every N versions and a few recent ones)
 and emits for each new version a patch from every recent one (the previous version's, and
-skips v_old -> v_new directly) and an anchor every N versions. A receiver ranks the ways to
-reach a target from what it holds (its own version, or nothing) and falls back to the next on
-any failure.
+skips v_old -> v_new directly) and an anchor every N versions. A receiver tries the routes
+from what it holds (its own version, or nothing) to a target, cheapest first
+(fedrl.patch_routes), and falls back to the next on any failure.
 """
 
 from __future__ import annotations
 
 import collections
-import heapq
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 
@@ -25,54 +23,13 @@ from fedrl.patch import (
     read_header,
     state_hash,
 )
+from fedrl.patch_routes import PatchRef, sync_plans
 
 
-@dataclass(frozen=True)
-class PatchRef:
-    base_version: int | None  # None: an anchor (full state)
-    target_version: int
-    size: int
-    key: str  # where to fetch it (a content hash in the patch store)
-
-
-def cheapest_path(refs: list[PatchRef], start: int | None, target: int) -> list[PatchRef] | None:
-    """Fewest bytes from `start` (None = holding nothing) to `target` over the refs (Dijkstra)."""
-    edges = collections.defaultdict(list)
-    for r in refs:
-        edges[r.base_version].append(r)
-    best = {start: 0}
-    queue = [(0, 0, start, [])]
-    tie = 0
-    while queue:
-        cost, _, node, path = heapq.heappop(queue)
-        if node == target and path:
-            return path
-        if cost > best.get(node, float("inf")):
-            continue
-        for r in edges[node]:
-            nxt = cost + r.size
-            if nxt < best.get(r.target_version, float("inf")):
-                best[r.target_version] = nxt
-                tie += 1
-                heapq.heappush(queue, (nxt, tie, r.target_version, path + [r]))
-    return None
-
-
-def sync_plans(refs: list[PatchRef], held_version: int | None, target: int) -> list[list[PatchRef]]:
-    """Distinct ways to reach `target`, cheapest first: from the held version, from an anchor,
-    and the anchor of the target itself (a full sync)."""
-    candidates = []
-    if held_version is not None:
-        candidates.append(cheapest_path(refs, held_version, target))
-    candidates.append(cheapest_path(refs, None, target))
-    candidates += [[r] for r in refs if r.base_version is None and r.target_version == target]
-    plans, seen = [], set()
-    for plan in sorted((p for p in candidates if p), key=lambda p: sum(r.size for r in p)):
-        ident = tuple(r.key for r in plan)
-        if ident not in seen:
-            seen.add(ident)
-            plans.append(plan)
-    return plans
+def published(state: Mapping[str, torch.Tensor], wire_dtype: str) -> dict[str, torch.Tensor]:
+    """A global state as it is published: cast to the run's wire dtype (float32: as it is)."""
+    dtype = getattr(torch, wire_dtype)
+    return {n: t.to(dtype) for n, t in state.items()}
 
 
 class SyncFailed(RuntimeError):

@@ -4,7 +4,9 @@
   GET    /objects/{sha256}        download
   GET    /objects/{sha256}/meta   size and the principals that uploaded it
   DELETE /objects/{sha256}        admin only; ?principal=P releases only P's upload of it
-  GET    /catalog                 published global patches: refs, latest version, public key
+  GET    /catalog                 published global patches: refs, latest version, public key;
+                                   ?target=T[&held=V]: only the refs of the routes from V (or from
+                                   nothing) to T, what a node syncing to T needs (fedrl.patch_routes)
   POST   /catalog                 admin only: replace the catalog (objects it drops are deleted)
   POST   /enroll                  an invite's holder asks to join: {"public_key", "name"}
   GET    /enroll/{fingerprint}    that request's status: pending, approved or refused (invite)
@@ -47,10 +49,12 @@ from fedrl.credentials import (
     verify_request,
 )
 from fedrl.node_files import read_json, write_json
+from fedrl.patch_routes import routes_in
 from fedrl.signing import key_fingerprint_ssh
 from fedrl.store_metrics import StoreMetrics
 
 HASH_CHARS = set("0123456789abcdef")
+REF_FIELDS = {"base_version", "target_version", "size", "key"}
 MAX_PROBE_BYTES = 16 << 20
 MAX_ENROLLMENTS = 1000
 ENROLL_STATUS = ("pending", "approved", "refused")
@@ -126,6 +130,16 @@ def _digest(request: web.Request) -> str:
     if len(digest) != 64 or set(digest) - HASH_CHARS:
         raise web.HTTPBadRequest(text="object names are lowercase hex SHA-256 digests (64 characters)")
     return digest
+
+
+def _version(request: web.Request, name: str) -> int | None:
+    """A version number from the query (absent: None)."""
+    text = request.query.get(name)
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+        raise web.HTTPBadRequest(text=f"{name} must be a version number (an integer >= 0), got {text[:20]!r}")
+    return int(text)
 
 
 def _principal(request: web.Request, state: StoreState, admin: bool = False, invite_ok: bool = False) -> str:
@@ -355,7 +369,11 @@ def make_app(state: StoreState) -> web.Application:
     @routes.get("/catalog")
     async def get_catalog(request):
         _principal(request, state)
-        return web.json_response(state.catalog)
+        if "target" not in request.query:
+            return web.json_response(state.catalog)
+        target, held = _version(request, "target"), _version(request, "held")
+        refs = routes_in(state.catalog["refs"], held, target)  # the key: the node has it from its instruction
+        return web.json_response({"latest": state.catalog["latest"], "refs": refs})
 
     @routes.post("/catalog")
     async def post_catalog(request):
@@ -365,14 +383,19 @@ def make_app(state: StoreState) -> web.Application:
             refs = catalog["refs"]
             ok = isinstance(refs, list) and all(
                 isinstance(r, dict)
-                and r.get("key") in state.objects
-                and isinstance(r.get("target_version"), int)
+                and set(r) == REF_FIELDS
+                and r["key"] in state.objects
+                and all(type(r[f]) is int and r[f] >= 0 for f in ("target_version", "size"))
+                and (r["base_version"] is None or (type(r["base_version"]) is int and r["base_version"] >= 0))
                 for r in refs
             )
         except (ValueError, KeyError, TypeError):
             raise web.HTTPBadRequest(text="catalog must be JSON with a refs list") from None
         if not ok:
-            raise web.HTTPBadRequest(text="every catalog ref must name a stored object and a target_version")
+            raise web.HTTPBadRequest(
+                text="every catalog ref must be {base_version, target_version, size, key}: versions and "
+                "size integers >= 0 (base_version null for an anchor), key a stored object"
+            )
         live = {r["key"] for r in refs}
         for ref in state.catalog["refs"]:
             if ref["key"] not in live:

@@ -21,6 +21,7 @@ MODES = ("parablock", "block-sequential", "fedavg-lora")
 ACTIONS = ("train", "flush", "goodbye")
 NO_UPLOAD = -2  # upload_block when a reply carries no upload
 LEAVING = ("", "after-flush", "now")
+WIRE_DTYPES = ("float32", "bfloat16", "float16")  # what published versions may be cast to
 
 
 def check_json(text: str, what: str) -> None:
@@ -80,6 +81,10 @@ class TrainInstruction(LearnerSettings):
     data_shards: int  # the task's data is split in this many shards; the client takes client_id % data_shards
     round: int = 0  # this node's message counter (seeds its randomness)
     upload_density: float = 1.0  # block uploads send this fraction of entries (top-k, error feedback)
+    wire_dtype: str = "float32"  # the dtype published versions travel in
+    # the state hash of v0 as published: a node whose own seeded adapter, cast to wire_dtype,
+    # hashes the same holds v0 without downloading it ("": no such claim)
+    origin_hash: str = ""
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -88,6 +93,8 @@ class TrainInstruction(LearnerSettings):
         if self.steps < 0 or self.version < 0 or self.client_id < 0:
             raise ValueError("steps, version and client_id must be >= 0")
         check_upload_density(self.upload_density, self.mode)
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
         if min(self.num_blocks, self.prompts, self.samples, self.data_shards) < 1:
             raise ValueError("num_blocks, prompts, samples and data_shards must be >= 1")
         check_temperature(self.temperature)

@@ -98,7 +98,9 @@ class PatchStoreClient:
             raise StoreError(f"download {digest[:12]}: content does not hash to its name")
         return data
 
-    async def json(self, method: str, path: str, payload: Any = None) -> Any:
+    async def json(self, method: str, path: str, payload: Any = None, metered: bool = False) -> Any:
+        """A JSON request; `metered`: the answer's bytes pass through the link (data a node
+        fetches every round, as a patch's do), else they are control traffic, not counted."""
         body = b"" if payload is None else json.dumps(payload).encode()
         url, headers = self._signed(method, path, body)
         if payload is not None:
@@ -108,12 +110,20 @@ class PatchStoreClient:
                 method, url, data=body or None, ssl=self.ssl, headers=headers
             ) as resp:
                 await self._check(resp, f"{method} {path}")
-                return await resp.json()
+                if not metered:
+                    return await resp.json()
+                answer = await resp.read()
+            await self.link.receive(len(answer))
+            return json.loads(answer)
         except aiohttp.ClientError as err:
             raise StoreError(f"{method} {path}: {err}") from None
 
-    async def catalog(self) -> dict:
-        return await self.json("GET", "/catalog")
+    async def catalog(self, target: int | None = None, held: int | None = None) -> dict:
+        """The published catalog; with `target`, only the refs of the routes from `held` (None:
+        holding nothing) to it. A node reads this every round, so its bytes are metered."""
+        query = {"target": target, "held": held}
+        query = "&".join(f"{k}={int(v)}" for k, v in query.items() if v is not None and target is not None)
+        return await self.json("GET", "/catalog" + (f"?{query}" if query else ""), metered=True)
 
     async def meta(self, digest: str) -> dict:
         return await self.json("GET", f"/objects/{digest}/meta")

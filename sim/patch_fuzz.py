@@ -31,7 +31,8 @@ from fedrl.patch import (
     read_header,
     to_bits,
 )
-from fedrl.patch_chain import PatchRef, check_labels
+from fedrl.patch_chain import check_labels
+from fedrl.patch_routes import PatchRef
 from fedrl.signing import SIGNATURE_BYTES, generate_signing_key, sign_patch, verify_signed_patch
 from fedrl.sim.memory import reset_peak, status_bytes
 

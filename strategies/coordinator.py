@@ -21,7 +21,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
@@ -40,8 +39,8 @@ from fedrl.failpoints import failpoint
 from fedrl.lora import build_adapter_model
 from fedrl.monitor import MonitorServer
 from fedrl.node_files import write_json
-from fedrl.patch import PatchError, PatchLimits, apply_patch
-from fedrl.patch_chain import PatchPublisher, in_catalog
+from fedrl.patch import PatchError, PatchLimits, apply_patch, state_hash
+from fedrl.patch_chain import PatchPublisher, in_catalog, published
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import MESSAGE_TYPE, LearnerSettings, TrainInstruction, TrainReport
 from fedrl.rollout import greedy_eval
@@ -130,6 +129,7 @@ class Coordinator:
         if cfg.final_eval_size and not hasattr(self.task, "num_eval"):
             raise ValueError(f"final_eval_size: task {cfg.task!r} has no held-out set size (num_eval)")
         self.global_state = dict(self.adapter.initial)
+        self.origin_hash = state_hash(self.wire(self.global_state))  # a node that builds v0 needs no download
         self.version = 0
         self.scheduler = BlockScheduler(
             cfg.num_blocks, cfg.schedule, cfg.base_steps, cfg.min_steps, cfg.max_steps, cfg.seed
@@ -256,8 +256,7 @@ class Coordinator:
         """The global state as it is published: cast to the run's wire dtype (bfloat16 halves
         every download and makes the ulp distances of a step small), while the coordinator keeps
         and merges into the full-precision state. float32: the state itself."""
-        dtype = getattr(torch, self.cfg.wire_dtype)
-        return {n: t.to(dtype) for n, t in state.items()}
+        return published(state, self.cfg.wire_dtype)
 
     def store_usage(self) -> dict:
         """What the patch store holds now (for the metrics); nothing if it cannot say."""
@@ -374,6 +373,8 @@ class Coordinator:
             data_shards=cfg.shards,
             round=self.rounds[node],
             upload_density=cfg.upload_density,
+            wire_dtype=cfg.wire_dtype,
+            origin_hash=self.origin_hash,
         )
 
     def dispatch(self, node: int, action: str = "train") -> None:

@@ -7,10 +7,8 @@ from typing import Any
 
 from pydantic import model_validator
 
-from fedrl.protocol import MODES, check_json, check_temperature, check_upload_density
+from fedrl.protocol import MODES, WIRE_DTYPES, check_json, check_temperature, check_upload_density
 from fedrl.schema import Schema
-
-WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class RunConfig(Schema):

@@ -113,3 +113,25 @@ def test_run_config_from_flower_style_keys_and_errors():
     for bad in ({"max-wall-s": -1.0}, {"final-eval-size": -5}):
         with pytest.raises(SchemaError, match="must be >= 0"):
             RunConfig.from_mapping(bad)
+
+
+def test_a_node_holds_v0_only_when_its_own_seeded_build_hashes_as_the_coordinators():
+    from fedrl.clients.block_worker import ClientState, holding_origin
+    from fedrl.patch import state_hash
+    from fedrl.patch_chain import published
+
+    initial = {"a": torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), "b": torch.zeros(3, 2)}
+    v0 = published(initial, "bfloat16")
+    instr = TrainInstruction.parse(_instruction(wire_dtype="bfloat16", origin_hash=state_hash(v0)))
+    held = holding_origin(ClientState(), initial, instr)
+    assert held.held_version == 0 and state_hash(held.held) == state_hash(v0)
+    assert all(t.dtype == torch.bfloat16 for t in held.held.values())
+    # another dtype, another build, no claim, or a version already held: nothing is assumed
+    assert holding_origin(ClientState(), initial, instr.replace(wire_dtype="float32")).held is None
+    other = {**initial, "a": initial["a"] + 1e-3}
+    assert holding_origin(ClientState(), other, instr).held is None
+    assert holding_origin(ClientState(), initial, instr.replace(origin_hash="")).held is None
+    kept = ClientState(held=published(other, "bfloat16"), held_version=4)
+    assert holding_origin(kept, initial, instr) is kept
+    with pytest.raises(SchemaError, match="wire_dtype must be one of"):
+        TrainInstruction.parse(_instruction(wire_dtype="int8"))

@@ -433,3 +433,28 @@ def test_bfloat16_on_the_wire_narrows_downloads_and_clients_hold_the_exact_cast(
 def test_a_wire_dtype_that_is_not_a_float_is_refused(tmp_path):
     with pytest.raises(ValueError, match="wire_dtype must be one of"):
         config(tmp_path, wire_dtype="int8")
+
+
+def test_nodes_build_v0_themselves_and_a_node_whose_build_differs_downloads_it(tmp_path):
+    """Every node builds the seeded adapter; cast to the wire dtype it is v0, and the instruction
+    says v0's hash, so a node's first sync downloads no patch. A node told another hash (its
+    build differs) holds nothing and takes the anchor, as before; the run is the same."""
+
+    class Grid(FakeGrid):
+        def reply_to(self, node, msg):
+            if node == 2:  # as if node 2's seeded build came out different
+                msg.content["instruction"]["origin_hash"] = "0" * 64
+            return super().reply_to(node, msg)
+
+    grid = Grid(3, client_app)
+    summary = run_coordinator(grid, config(tmp_path, mode="parablock", sync=False, wire_dtype="bfloat16"))
+    assert summary["versions"] >= 3 and summary["counts"]["rejected"] == 0
+    first = {}
+    for e in summary["events"]:
+        if e["kind"] == "reply":
+            first.setdefault(e["node"], e)
+    assert all(e["synced_version"] == 0 for e in first.values()), first
+    for e in (first[1], first[3]):
+        assert e["sync_patches"] == 0 and e["bytes_down"] < 0.05 * e["full_sync_bytes"], e  # the catalog only
+    e = first[2]
+    assert e["sync_patches"] == 1 and e["bytes_down"] >= e["full_sync_bytes"] > 0, e

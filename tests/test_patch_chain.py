@@ -4,15 +4,8 @@ import pytest
 import torch
 
 from fedrl.patch import read_header, state_hash
-from fedrl.patch_chain import (
-    PatchPublisher,
-    PatchRef,
-    SyncFailed,
-    cheapest_path,
-    in_catalog,
-    sync_plans,
-    synchronize,
-)
+from fedrl.patch_chain import PatchPublisher, SyncFailed, in_catalog, synchronize
+from fedrl.patch_routes import PatchRef, cheapest_path, routes_in, sync_plans
 
 
 def states(n):
@@ -135,6 +128,21 @@ def test_cheapest_path_prefers_fewer_bytes():
     assert [r.key for r in cheapest_path(refs, 0, 2)] == ["c"]
     assert [[r.key for r in p] for p in sync_plans(refs, 0, 2)] == [["c"], ["d"]]
     assert cheapest_path(refs, 5, 2) is None
+
+
+def test_a_node_is_answered_with_the_refs_of_its_routes_only():
+    """What the store sends a node syncing to T: the refs `synchronize` could try, none else."""
+    pub, store, hist = publish_all(9, anchor_every=4)
+    catalog = [vars(r) for r in store.refs if in_catalog(r.base_version, r.target_version, 9, pub)]
+    for held in (None, 0, 5, 7, 8, 9):
+        routes = routes_in(catalog, held, 9)
+        assert routes == [r for r in catalog if r in routes]  # catalog order, no copies
+        kept = [PatchRef(**r) for r in routes]
+        assert sync_plans(kept, held, 9) == sync_plans([PatchRef(**r) for r in catalog], held, 9)
+        assert len(routes) <= 3 < len(catalog), (held, len(routes), len(catalog))  # a skip; an anchor + 1
+        state, _ = synchronize(hist[held] if held is not None else None, held, 9, kept, store.fetch)
+        assert state_hash(state) == state_hash(hist[9])
+    assert routes_in(catalog, 3, 42) == []  # no route to a version never published
 
 
 def test_a_catalog_that_relabels_an_old_anchor_is_a_rollback_and_refused():

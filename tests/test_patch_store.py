@@ -232,7 +232,8 @@ def test_a_node_reads_only_its_own_uploads_and_the_coordinators_objects(store):
             rider.meta(delta)  # who uploaded what is the coordinator's business
         assert honest.get(delta) == b"node-1's delta" * 100 and admin.get(delta)
         published = admin.put(b"a global patch" * 100)
-        admin.publish({"latest": 1, "refs": [{"key": published, "target_version": 1}], "public_key": None})
+        ref = {"base_version": None, "target_version": 1, "size": 1400, "key": published}
+        admin.publish({"latest": 1, "refs": [ref], "public_key": None})
         assert rider.get(published) == b"a global patch" * 100 and rider.catalog()["latest"] == 1
     finally:
         for c in (honest, rider, admin):
@@ -311,3 +312,44 @@ def test_captured_expired_or_altered_requests_are_refused(store):
     status, text = asyncio.run(send("POST", "/catalog", swapped, b'{"latest": 9, "refs": []}'))
     assert status == 403 and "not the one" in text
     assert client(server, secret, ADMIN).catalog()["latest"] is None
+
+
+def test_a_node_asks_for_the_refs_of_its_routes_and_bad_queries_or_refs_are_refused(store):
+    server, secret = store
+    admin, node = client(server, secret, ADMIN), client(server, secret, node_principal(3))
+    keys = [admin.put(f"object {i}".encode()) for i in range(4)]
+    refs = [
+        {"base_version": None, "target_version": 0, "size": 900, "key": keys[0]},
+        {"base_version": 0, "target_version": 1, "size": 50, "key": keys[1]},
+        {"base_version": 1, "target_version": 2, "size": 50, "key": keys[2]},
+        {"base_version": 0, "target_version": 2, "size": 60, "key": keys[3]},
+    ]
+    admin.publish({"latest": 2, "refs": refs, "public_key": "pem"})
+    assert node.catalog()["refs"] == refs  # no target: the whole catalog
+    answer = node.catalog(target=2, held=0)
+    assert answer["refs"] == [refs[0], refs[3]] and answer["latest"] == 2  # the skip; anchor + skip
+    assert node.catalog(target=2)["refs"] == [refs[0], refs[3]]
+    assert node.catalog(target=1, held=0)["refs"] == [refs[0], refs[1]]
+    assert node.catalog(target=7, held=0)["refs"] == []
+
+    async def raw_get(query):
+        async with PatchStoreClient(server.url, "node-3", token_for(secret, "node-3")) as c:
+            url, headers = c._signed("GET", f"/catalog?{query}")
+            async with c.session.get(url, headers=headers) as resp:
+                return resp.status, await resp.text()
+
+    for query in ("target=-1", "target=x", "target=1&held=1.5", "target=²", "target=" + "9" * 30):
+        status, text = asyncio.run(raw_get(query))
+        assert status == 400 and "version number" in text, (query, status, text)
+    for bad in (
+        {"base_version": 0, "target_version": 1, "key": keys[1]},  # no size
+        {"base_version": "0", "target_version": 1, "size": 5, "key": keys[1]},
+        {"base_version": 0, "target_version": 1, "size": -5, "key": keys[1]},
+        {"base_version": 0, "target_version": True, "size": 5, "key": keys[1]},
+        {"base_version": 0, "target_version": 1, "size": 5, "key": keys[1], "extra": 1},
+    ):
+        with pytest.raises(StoreError, match="400.*base_version, target_version, size, key"):
+            admin.publish({"latest": 2, "refs": [bad]})
+    assert node.catalog()["refs"] == refs  # a refused catalog changed nothing
+    admin.close()
+    node.close()

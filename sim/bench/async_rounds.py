@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 
 from fedrl.bench.common import write_json
+from fedrl.protocol import WIRE_DTYPES
 from fedrl.sim.report import write_report
 from fedrl.sim.runner import simulate
 from fedrl.sim.simulated_server import SimConfig
-from fedrl.strategies.run_config import WIRE_DTYPES, RunConfig
+from fedrl.strategies.run_config import RunConfig
 
 STRATEGIES = {
     "fedavg-lora": dict(mode="fedavg-lora", sync=True),
