@@ -10,7 +10,7 @@ from what it holds (its own version, or nothing) to a target, cheapest first
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -81,36 +81,53 @@ def synchronize(
 
 def in_catalog(base: int | None, target: int, latest: int, publisher: PatchPublisher) -> bool:
     """Whether a published patch stays listed once `latest` is out: the anchors the publisher
-    keeps, the chain from every version it retains, and skips to the latest two versions (a node
-    told to sync to the version before the latest still finds its one download; older skips are
-    dropped to bound the store, and a node syncing to an older version takes the chain)."""
+    keeps, the chain from every version it retains (recent, or held by a node), and skips to the
+    latest two versions (a node told to sync to the version before the latest still finds its one
+    download; older skips are dropped to bound the store, and a node syncing to an older version
+    takes the chain)."""
     if base is None:
         return target in publisher.anchors
-    retained = base >= latest - publisher.keep_recent
+    retained = base >= latest - publisher.keep_recent or base in publisher.held
     return retained and (target == base + 1 or target >= latest - 1)
 
 
 class PatchPublisher:
     """Produces the patches for each new global version and keeps what later patches need."""
 
-    def __init__(self, anchor_every: int = 10, keep_recent: int = 8, level: int = 1, keep_anchors: int = 2):
-        if anchor_every < 1 or keep_recent < 1:
-            raise ValueError("anchor_every and keep_recent must be >= 1")
+    def __init__(
+        self,
+        anchor_every: int = 10,
+        keep_recent: int = 8,
+        level: int = 1,
+        keep_anchors: int = 2,
+        keep_held: int = 8,
+    ):
+        if anchor_every < 1 or keep_recent < 1 or keep_held < 0:
+            raise ValueError("anchor_every and keep_recent must be >= 1, keep_held >= 0")
         self.anchor_every, self.level = anchor_every, level
         self.recent: collections.OrderedDict[int, tuple[dict, str]] = collections.OrderedDict()
         self.anchors: dict[int, tuple[dict, str]] = {}
-        self.keep_recent, self.keep_anchors = keep_recent, keep_anchors
+        # states that left `recent` while a node still held them (at most keep_held, the newest):
+        # patches from them let a node that fell far behind skip to the latest in one download
+        self.held: dict[int, tuple[dict, str]] = {}
+        self.holding: set[int] = set()
+        self.keep_recent, self.keep_anchors, self.keep_held = keep_recent, keep_anchors, keep_held
 
     @property
     def latest_version(self) -> int | None:
         return next(reversed(self.recent), None)
 
-    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> list[tuple[int | None, int, bytes]]:
+    def publish(
+        self, state: Mapping[str, torch.Tensor], version: int, held_versions: Iterable[int] = ()
+    ) -> list[tuple[int | None, int, bytes]]:
         """(base_version, target_version, patch bytes) to store for `version`: a patch from every
         retained recent version (the previous one's is the chain's next link; the older ones are
-        skips, so a receiver that fell behind downloads one patch, not a chain), and an anchor
-        every `anchor_every` versions."""
-        bases = list(self.recent.items())  # before _remember drops the oldest
+        skips, so a receiver that fell behind downloads one patch, not a chain) and from every
+        older version a node still holds (`held_versions`, as far as they were kept), and an
+        anchor every `anchor_every` versions."""
+        self.holding = set(held_versions)
+        self._prune_held()
+        bases = list(self.held.items()) + list(self.recent.items())  # before _remember drops the oldest
         state, digest = self._remember(state, version)
         out = [
             (
@@ -140,8 +157,15 @@ class PatchPublisher:
         kept = {k: v.detach().clone() for k, v in state.items()}
         entry = self.recent[version] = (kept, state_hash(kept))
         while len(self.recent) > self.keep_recent:
-            self.recent.popitem(last=False)
+            old, kept_old = self.recent.popitem(last=False)
+            if old in self.holding:
+                self.held[old] = kept_old
+        self._prune_held()
         return entry
+
+    def _prune_held(self) -> None:
+        still = sorted(v for v in self.held if v in self.holding)
+        self.held = {v: self.held[v] for v in still[max(0, len(still) - self.keep_held) :]}
 
     def state(self, version: int) -> dict | None:
         """A retained global state (recent or anchor), or None when it is gone."""

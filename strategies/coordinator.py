@@ -194,6 +194,8 @@ class Coordinator:
         self.withdrawn: set[int] = set()  # nodes that said they leave, until the Grid stops listing them
         self.unavailable: set[int] = set()  # nodes Flower said are unreachable: no dispatch until a refresh
         self.rounds: dict[int, int] = {}  # node -> messages sent
+        # node -> the version it said it holds (also after it left: it may come back with it)
+        self.synced: dict[int, int] = {}
         self.eval_cpu_s = 0.0  # held-out evaluations, kept apart from the coordinator's own cost
         self.loop: dict = {}
         self.evals: list[dict] = []
@@ -242,7 +244,9 @@ class Coordinator:
 
     def publish(self) -> None:
         self.refs += put_signed_patches(
-            self.admin, self.publisher.publish(self.wire(self.global_state), self.version), self.signing_key
+            self.admin,
+            self.publisher.publish(self.wire(self.global_state), self.version, self.held_versions()),
+            self.signing_key,
         )
         failpoint("publish")
         self.refs = [
@@ -251,6 +255,11 @@ class Coordinator:
             if in_catalog(r["base_version"], r["target_version"], self.version, self.publisher)
         ]
         self.admin.publish({"latest": self.version, "refs": self.refs, "public_key": self.public_key})
+
+    def held_versions(self) -> set[int]:
+        """The versions nodes hold or are syncing to: the next version is patched from each (as
+        far as the publisher keeps them), so a node that fell far behind still skips in one patch."""
+        return set(self.synced.values()) | {d.version for d in self.in_flight.values() if d.action == "train"}
 
     def wire(self, state: dict) -> dict:
         """The global state as it is published: cast to the run's wire dtype (bfloat16 halves
@@ -480,6 +489,7 @@ class Coordinator:
 
     def record_client(self, d: Dispatch, r: TrainReport, probe=None) -> None:
         node = d.node
+        self.synced[node] = r.synced_version
         c = self.clients.setdefault(
             node,
             {

@@ -86,6 +86,28 @@ def test_the_catalog_lists_kept_anchors_the_retained_chain_and_skips_to_the_late
     assert {(b, t) for b, t in listed if b is not None and t > b + 1} == {(6, 8), (6, 9), (7, 9)}
 
 
+def test_a_version_a_node_still_holds_stays_a_base_after_it_leaves_the_recent_window():
+    """keep_recent 3: v1 leaves the window at v5, but a node holds it, so v1 -> latest keeps being
+    published and listed, and that node reaches v9 in one patch instead of an anchor and a chain.
+    Once no node holds it, it is dropped; at most keep_held such states are kept (the newest)."""
+    pub, store, hist = PatchPublisher(anchor_every=4, keep_recent=3, keep_held=2), Store(), states(12)
+    for v, s in enumerate(hist[:10]):
+        for base, target, data in pub.publish(s, v, held_versions={1}):
+            store.put(base, target, data)
+    assert set(pub.held) == {1} and {(r.base_version, r.target_version) for r in store.refs} >= {(1, 9)}
+    listed = [r for r in store.refs if in_catalog(r.base_version, r.target_version, 9, pub)]
+    state, plan = synchronize(hist[1], 1, 9, listed, store.fetch)
+    assert state_hash(state) == state_hash(hist[9]) and [
+        (r.base_version, r.target_version) for r in plan
+    ] == [(1, 9)]
+    pub.publish(hist[10], 10, held_versions={1, 5, 7})  # 5 left the window unheld: it is gone
+    assert set(pub.held) == {1, 7}
+    pub.publish(hist[11], 11, held_versions={1, 7, 8})
+    assert set(pub.held) == {7, 8}  # keep_held 2: the newest
+    pub.publish(hist[12], 12, held_versions=set())
+    assert pub.held == {} and not in_catalog(7, 12, 12, pub)
+
+
 def test_retained_states_are_bases_for_the_next_publish_without_being_published():
     hist = states(7)
     pub = PatchPublisher(anchor_every=4, keep_recent=2)
