@@ -32,10 +32,11 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
     keep = tmp_path / "results"
     keep.mkdir()
     (keep / "precious.txt").write_text("mine")
-    runs = []
+    runs, step_s = [], []
 
     def fake_simulate(cfg, sim, clients, engine):  # the folder handling is under test, not the training
         runs.append(cfg.out_dir)
+        step_s.append(sim.step_s)
         evals = [{"t": 0.0, "error": 0.7}, {"t": 1.0, "error": 0.2}]
         return {
             "evals": evals,
@@ -46,7 +47,7 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
             "versions": 1,
             "time_s": 1.0,
             "counts": {},
-            "simulation": {"step_s": 0.1},
+            "simulation": {"step_s": sim.step_s or 0.1},  # what simulate reports: the unit it used
         }
 
     monkeypatch.setattr(async_rounds, "simulate", fake_simulate)
@@ -64,10 +65,14 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
         upload_density=0.05,
         wire_dtype="bfloat16",
         strategies=list(async_rounds.STRATEGIES),
+        step_s=0.0,
     )
     assert async_rounds.main(args) == 0
+    assert step_s[0] == 0.0 and set(step_s[1:]) == {0.1}  # the first run's measurement is everyone's
+    assert async_rounds.main(argparse.Namespace(**{**vars(args), "step_s": 0.25})) == 0
+    assert set(step_s[len(async_rounds.STRATEGIES) :]) == {0.25}  # a given unit of work: no measurement
     assert (keep / "precious.txt").read_text() == "mine"
-    assert (keep / "bench-async.json").exists() and len(set(runs)) == len(async_rounds.STRATEGIES)
+    assert (keep / "bench-async.json").exists() and len(set(runs)) == 2 * len(async_rounds.STRATEGIES)
     assert all(run.startswith(str(keep / "bench-async-runs-")) for run in runs)  # a new folder of its own
 
 

@@ -56,6 +56,13 @@ def add_arguments(parser) -> None:
         default=RunConfig.model_fields["wire_dtype"].default,
         help="the dtype versions travel in, for every strategy (fedavg-lora's whole adapters too)",
     )
+    parser.add_argument(
+        "--step-s",
+        type=float,
+        default=0.0,
+        help="seconds of one learner step at speed 1 (0: measured once, in the first run); fix it "
+        "to compare invocations: the measurement follows the machine's load",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=["local", "ray"], default="local")
 
@@ -107,7 +114,7 @@ def main(args) -> int:
         wire_dtype=args.wire_dtype,
     )
     start = time.perf_counter()
-    results, step_s = [], 0.0
+    results, step_s = [], args.step_s
     runs = runs_dir(args.out)
     names = ["fedavg-lora"] + [n for n in args.strategies if n != "fedavg-lora"]  # the reference runs first
     for name in names:
