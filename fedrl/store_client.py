@@ -121,9 +121,10 @@ class PatchStoreClient:
     async def catalog(self, target: int | None = None, held: int | None = None) -> dict:
         """The published catalog; with `target`, only the refs of the routes from `held` (None:
         holding nothing) to it. A node reads this every round, so its bytes are metered."""
-        query = {"target": target, "held": held}
-        query = "&".join(f"{k}={int(v)}" for k, v in query.items() if v is not None and target is not None)
-        return await self.json("GET", "/catalog" + (f"?{query}" if query else ""), metered=True)
+        path = "/catalog" if target is None else f"/catalog?target={int(target)}"
+        if target is not None and held is not None:
+            path += f"&held={int(held)}"
+        return await self.json("GET", path, metered=True)
 
     async def meta(self, digest: str) -> dict:
         return await self.json("GET", f"/objects/{digest}/meta")
