@@ -38,6 +38,11 @@ def check_upload_density(density: float, mode: str) -> None:
         )
 
 
+def check_wire_dtype(dtype: str) -> None:
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {dtype!r}")
+
+
 def check_temperature(temperature: float) -> None:
     if not 0 < temperature < float("inf"):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
@@ -93,8 +98,7 @@ class TrainInstruction(LearnerSettings):
         if self.steps < 0 or self.version < 0 or self.client_id < 0:
             raise ValueError("steps, version and client_id must be >= 0")
         check_upload_density(self.upload_density, self.mode)
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        check_wire_dtype(self.wire_dtype)
         if min(self.num_blocks, self.prompts, self.samples, self.data_shards) < 1:
             raise ValueError("num_blocks, prompts, samples and data_shards must be >= 1")
         check_temperature(self.temperature)

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import model_validator
 
-from fedrl.protocol import MODES, WIRE_DTYPES, check_json, check_temperature, check_upload_density
+from fedrl.protocol import MODES, check_json, check_temperature, check_upload_density, check_wire_dtype
 from fedrl.schema import Schema
 
 
@@ -111,8 +111,7 @@ class RunConfig(Schema):
         if self.store_url and not self.store_url.startswith(("http://", "https://")):
             raise ValueError(f"store_url must start with http:// or https://, got {self.store_url!r}")
         check_json(self.task_params, "task_params")
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        check_wire_dtype(self.wire_dtype)
         return self
 
     @property
