@@ -76,6 +76,16 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
     assert all(run.startswith(str(keep / "bench-async-runs-")) for run in runs)  # a new folder of its own
 
 
+def test_two_benchmark_invocations_within_one_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    from fedrl.sim.bench import async_rounds
+
+    monkeypatch.setattr(async_rounds.time, "strftime", lambda fmt: "20260101-000000")
+    out = tmp_path / "new" / "bench.json"
+    first, second = async_rounds.runs_dir(out), async_rounds.runs_dir(out)
+    assert first != second and first.is_dir() and second.is_dir()
+    assert second.name == "bench-runs-20260101-000000-2"
+
+
 def test_friction_profiles_make_the_asked_shares_buggy_and_noisy():
     import json
 

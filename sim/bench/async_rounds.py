@@ -8,6 +8,7 @@ same unit of work (one calibration of step_s shared by all)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -92,9 +93,18 @@ def bench_run_config(clients: int, budget: float, target: float, quick: bool, **
 
 def runs_dir(out: str | Path) -> Path:
     """Where each run's folder (summary, report, checkpoints) goes: a new one per invocation,
-    beside the JSON; nothing is deleted."""
+    beside the JSON, created here so that two invocations within one second never share it;
+    nothing is deleted."""
     out = Path(out)
-    return out.parent / f"{out.stem}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stamp = f"{out.stem}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
+    for n in itertools.count(1):
+        path = out.parent / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
 
 
 def main(args) -> int:
