@@ -12,14 +12,19 @@ across zero is small too. Multi-byte arrays travel as byte planes, which zstd sq
 
 Wire format:  b"FRLP" | format u8 | body length u64 LE | zstd frame (with checksum) of
               header length u32 LE | header JSON | sections
-The header names base and target versions and BLAKE3 state hashes, and per tensor its
-shape, dtype, encoding, count and section offsets. `apply_patch` verifies everything and
-returns new tensors; the base is never modified. An anchor (full sync) is a patch whose
-base is empty: every tensor dense.
+The header names base and target versions and BLAKE3 state hashes, and per carried tensor
+its encoding, count and section sizes (the sections follow one another in header order).
+An anchor (full sync) is a patch whose base is empty: every tensor dense, with its name,
+shape and dtype. A patch against a base lists only the tensors that changed, each by its
+position among the base's sorted names: the base already knows names, shapes and dtypes, and
+the target hash covers every tensor, the unchanged ones too. On small patches that halves
+the header, which was about half the bytes. `apply_patch` verifies everything and returns
+new tensors; the base is never modified.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -32,7 +37,7 @@ import torch
 import zstandard
 
 MAGIC = b"FRLP"
-FORMAT_VERSION = 2  # 2: ulp distances between order-preserving keys; BLAKE3 state hashes
+FORMAT_VERSION = 3  # 3: only changed tensors, by position, with section sizes (2: ulp keys, BLAKE3)
 _PREFIX = struct.Struct("<4sBQ")  # magic, format version, compressed body length
 EMPTY_HASH = blake3.blake3(b"fedrl-empty-state").hexdigest()
 
@@ -325,13 +330,16 @@ def encode_patch(
         raise TensorMismatch(f"base and new name different tensors: {sorted(set(base) ^ set(new))[:3]}")
     names = sorted(new)
     encoded = [_encode_tensor(n, base.get(n), new[n], hash_it=target_hash is None) for n in names]
-    entries, sections, offset = [], [], 0
-    for entry, parts, _ in encoded:  # section spans in body order
-        for key, data in parts:
-            entry[key] = [offset, len(data)]
-            sections.append(data)
-            offset += len(data)
-        entries.append(entry)
+    entries, sections = [], []
+    for at, (name, (entry, parts, _)) in enumerate(zip(names, encoded)):
+        if entry is None:
+            continue  # unchanged: the base's own tensor
+        t = new[name]
+        identity = (
+            {"at": at} if base else {"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+        )
+        entries.append({**identity, **entry, "sizes": [len(data) for data in parts]})
+        sections.extend(parts)
     target_hash = target_hash or combine_digests({n: digest for n, (_, _, digest) in zip(names, encoded)})
     header = {
         "format": FORMAT_VERSION,
@@ -349,9 +357,8 @@ def encode_patch(
 
 def _encode_tensor(
     name: str, b: torch.Tensor | None, t: torch.Tensor, hash_it: bool
-) -> tuple[dict, list[tuple[str, bytes]], bytes | None]:
-    """One tensor's header entry, its sections in order, and its digest when asked for."""
-    entry = {"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+) -> tuple[dict | None, list[bytes], bytes | None]:
+    """One tensor's encoding (None: unchanged), its sections in order, and its digest when asked for."""
     digest = tensor_digest(name, t) if hash_it else None
     new_bits = to_bits(t)
     if b is not None:
@@ -360,21 +367,16 @@ def _encode_tensor(
         base_bits = to_bits(b)
         idx = np.flatnonzero(base_bits != new_bits)
         if idx.size == 0:
-            return {**entry, "mode": "same", "count": 0}, [], digest
+            return None, [], digest
         index, index_width, index_escapes = encode_indices(idx)
         kind, width, values, escapes = encode_values(base_bits[idx], new_bits[idx], t.is_floating_point())
-        parts = [
-            ("index", index),
-            ("index_escapes", index_escapes),
-            ("values", values),
-            ("value_escapes", escapes),
-        ]
-        if sum(len(data) for _, data in parts) < new_bits.nbytes:
-            entry.update(
+        parts = [index, index_escapes, values, escapes]  # the order of _SECTIONS["sparse"]
+        if sum(len(data) for data in parts) < new_bits.nbytes:
+            entry = dict(
                 mode="sparse", count=int(idx.size), index_width=index_width, values_as=kind, value_width=width
             )
             return entry, parts, digest
-    return {**entry, "mode": "dense", "count": int(new_bits.size)}, [("values", new_bits.tobytes())], digest
+    return {"mode": "dense", "count": int(new_bits.size)}, [new_bits.tobytes()], digest
 
 
 # ---------------------------------------------------------------- decode
@@ -422,7 +424,6 @@ def _open(patch: bytes, limits: PatchLimits) -> tuple[PatchHeader, memoryview]:
 
 
 _SECTIONS = {
-    "same": (),
     "dense": ("values",),
     "sparse": ("index", "index_escapes", "values", "value_escapes"),
 }
@@ -436,6 +437,17 @@ def _is_int(x) -> bool:
 
 def _is_hash(x) -> bool:
     return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
+def _names_itself(e: dict) -> bool:
+    """An anchor's entry: the tensor's name, dtype and shape (no base to take them from)."""
+    return (
+        isinstance(e.get("name"), str)
+        and isinstance(e.get("dtype"), str)  # a list or dict is no key of a table: check the kind first
+        and e["dtype"] in _DTYPE_NAMES
+        and isinstance(e.get("shape"), list)
+        and all(_is_int(s) and 0 <= s < 2**40 for s in e["shape"])
+    )
 
 
 def _check_header(raw) -> PatchHeader:
@@ -452,21 +464,17 @@ def _check_header(raw) -> PatchHeader:
     )
     if not ok:
         raise CorruptPatch("patch header fields are missing or of the wrong type")
+    anchor = raw["base_version"] is None
     for e in raw["tensors"]:
         fine = (
             isinstance(e, dict)
-            and isinstance(e.get("name"), str)
-            and isinstance(e.get("dtype"), str)  # a list or dict is no key of a table: check the kind first
-            and e["dtype"] in _DTYPE_NAMES
             and isinstance(e.get("mode"), str)
             and e["mode"] in _SECTIONS
             and _is_int(e.get("count"))
-            and isinstance(e.get("shape"), list)
-            and all(_is_int(s) and 0 <= s < 2**40 for s in e["shape"])
-            and all(
-                isinstance(e.get(k), list) and len(e[k]) == 2 and all(_is_int(x) for x in e[k])
-                for k in _SECTIONS[e["mode"]]
-            )
+            and isinstance(e.get("sizes"), list)
+            and len(e["sizes"]) == len(_SECTIONS[e["mode"]])
+            and all(_is_int(x) and x >= 0 for x in e["sizes"])
+            and (_names_itself(e) if anchor else _is_int(e.get("at")) and e["at"] >= 0)
             and (
                 e["mode"] != "sparse"
                 or (
@@ -477,9 +485,12 @@ def _check_header(raw) -> PatchHeader:
         )
         if not fine:
             raise CorruptPatch(f"malformed tensor entry {str(e)[:80]}")
-    names = [e["name"] for e in raw["tensors"]]
-    if len(set(names)) != len(names):
-        raise CorruptPatch("a tensor appears twice in the patch")
+    if anchor:
+        names = [e["name"] for e in raw["tensors"]]
+        if len(set(names)) != len(names):
+            raise CorruptPatch("a tensor appears twice in the patch")
+    elif any(a >= b for a, b in itertools.pairwise(e["at"] for e in raw["tensors"])):
+        raise CorruptPatch("changed tensors are not listed once each, in order")
     return PatchHeader(
         raw["base_version"], raw["base_hash"], raw["target_version"], raw["target_hash"], raw["tensors"]
     )
@@ -490,20 +501,16 @@ def read_header(patch: bytes, limits: PatchLimits = PatchLimits()) -> PatchHeade
 
 
 class _Sections:
-    """Hands out the body's sections in order; each must start where the last one ended."""
+    """Hands out the body's sections in order, each as long as the header says."""
 
     def __init__(self, body: memoryview):
         self.body, self.pos = body, 0
 
-    def take(self, span, name: str) -> memoryview:
-        try:
-            start, size = (int(x) for x in span)
-        except (TypeError, ValueError):
-            raise CorruptPatch(f"{name}: bad section span {span!r}") from None
-        if start != self.pos or size < 0 or start + size > len(self.body):
-            raise CorruptPatch(f"{name}: section [{start}, {start + size}) is not the next part of the body")
+    def take(self, size: int, name: str) -> memoryview:
+        if self.pos + size > len(self.body):
+            raise CorruptPatch(f"{name}: a section of {size} bytes runs past the body")
         self.pos += size
-        return self.body[start : start + size]
+        return self.body[self.pos - size : self.pos]
 
 
 def apply_patch(
@@ -517,60 +524,68 @@ def apply_patch(
     Raises a PatchError subclass naming the reason for anything that does not verify.
     """
     header, sections = _open(patch, limits)
-    base = base or {}
+    base = {} if header.is_anchor else (base or {})
     if not header.is_anchor:
         held = base_hash or state_hash(base)
         if held != header.base_hash:
             raise BaseMismatch(
                 f"patch is for base {header.base_hash[:12]} (v{header.base_version}), held {held[:12]}"
             )
-    names = [e["name"] for e in header.tensors]
-    if not header.is_anchor and set(names) != set(base):
-        raise TensorMismatch(f"patch names other tensors than the base: {sorted(set(names) ^ set(base))[:3]}")
+    specs = _tensor_specs(header, base)
     cursor = _Sections(sections)
-    jobs = [
-        (e, base.get(e["name"]), _checked_sections(e, base, cursor, header.is_anchor)) for e in header.tensors
-    ]
+    parts = [_checked_sections(spec, e, cursor, header.is_anchor) for spec, e in zip(specs, header.tensors)]
     if cursor.pos != len(sections):
         raise CorruptPatch(f"{len(sections) - cursor.pos} bytes of the body belong to no tensor")
-    decoded = [_decode_tensor(*job) for job in jobs]
-    out = {e["name"]: t for e, (t, _) in zip(header.tensors, decoded)}
-    digests = {e["name"]: digest for e, (_, digest) in zip(header.tensors, decoded)}
-    if combine_digests(digests) != header.target_hash:
+    decoded = {
+        spec[0]: _decode_tensor(spec, e, base.get(spec[0]), p)
+        for spec, e, p in zip(specs, header.tensors, parts)
+    }
+    for name in base.keys() - decoded.keys():  # unchanged: a copy of the base's own
+        t = base[name].detach().clone(memory_format=torch.contiguous_format)
+        decoded[name] = t, tensor_digest(name, t)
+    if combine_digests({name: digest for name, (_, digest) in decoded.items()}) != header.target_hash:
         raise TargetMismatch(
             f"reconstructed state does not hash to v{header.target_version}'s {header.target_hash[:12]}"
         )
-    return out
+    return {name: t for name, (t, _) in sorted(decoded.items())}
 
 
-def _fields(e: dict) -> tuple[str, torch.dtype, tuple[int, ...], str, int]:
-    return e["name"], _DTYPE_NAMES[e["dtype"]], tuple(e["shape"]), e["mode"], e["count"]
+_Spec = tuple[str, torch.dtype, tuple[int, ...]]  # a carried tensor's name, dtype and shape
 
 
-def _checked_sections(e: dict, base, sections: _Sections, anchor: bool) -> dict[str, memoryview]:
-    """The entry's sections, once its sizes and the base it needs are known to fit."""
-    name, dtype, shape, mode, count = _fields(e)
+def _tensor_specs(header: PatchHeader, base: Mapping[str, torch.Tensor]) -> list[_Spec]:
+    """Who each entry is: an anchor says so itself; a patch names positions among the base's sorted names."""
+    if header.is_anchor:
+        return [(e["name"], _DTYPE_NAMES[e["dtype"]], tuple(e["shape"])) for e in header.tensors]
+    order = sorted(base)
+    if header.tensors and header.tensors[-1]["at"] >= len(order):
+        raise TensorMismatch(f"patch changes tensor #{header.tensors[-1]['at']}, the base holds {len(order)}")
+    named = [(order[e["at"]], base[order[e["at"]]]) for e in header.tensors]
+    return [(name, b.dtype, tuple(b.shape)) for name, b in named]
+
+
+def _checked_sections(spec: _Spec, e: dict, sections: _Sections, anchor: bool) -> dict[str, memoryview]:
+    """The entry's sections, once its count is known to fit its tensor."""
+    name, _, shape = spec
+    mode, count = e["mode"], e["count"]
     numel = math.prod(shape)  # exact: an int64 product can wrap to a size that seems to fit
     if not 0 <= count <= numel:
         raise CorruptPatch(f"{name}: count {count} outside [0, {numel}]")
     if anchor and mode != "dense":
         raise CorruptPatch(f"{name}: an anchor must carry every tensor dense")
-    if not anchor:
-        b = base[name]
-        if b.dtype != dtype or tuple(b.shape) != shape:
-            raise TensorMismatch(f"{name}: patch has {e['dtype']}{shape}, base has {b.dtype}{tuple(b.shape)}")
     if mode == "dense" and count != numel:
         raise CorruptPatch(f"{name}: a dense tensor carries all {numel} values, header says {count}")
     if mode == "sparse" and count == 0:
         raise CorruptPatch(f"{name}: a sparse tensor with no changes")
-    return {key: sections.take(e[key], name) for key in _SECTIONS[mode]}
+    return {key: sections.take(size, name) for key, size in zip(_SECTIONS[mode], e["sizes"])}
 
 
 def _decode_tensor(
-    e: dict, b: torch.Tensor | None, parts: dict[str, memoryview]
+    spec: _Spec, e: dict, b: torch.Tensor | None, parts: dict[str, memoryview]
 ) -> tuple[torch.Tensor, bytes]:
     """One tensor rebuilt from its sections, and its digest (taken while it is in cache)."""
-    name, dtype, shape, mode, count = _fields(e)
+    name, dtype, shape = spec
+    mode, count = e["mode"], e["count"]
     np_dtype = _BITS[dtype][1]
     if mode == "dense":
         if len(parts["values"]) != count * np.dtype(np_dtype).itemsize:
@@ -578,15 +593,14 @@ def _decode_tensor(
         t = from_bits(_array(parts["values"], np_dtype).copy(), dtype, shape)
     else:
         t = b.detach().clone(memory_format=torch.contiguous_format)
-        if mode == "sparse":
-            idx = decode_indices(parts["index"], e["index_width"], parts["index_escapes"], count, t.numel())
-            bits = to_bits(t)  # a view: the scatter writes into t
-            bits[idx] = decode_values(
-                e.get("values_as"),
-                e.get("value_width"),
-                parts["values"],
-                parts["value_escapes"],
-                bits[idx],
-                dtype.is_floating_point,
-            )
+        idx = decode_indices(parts["index"], e["index_width"], parts["index_escapes"], count, t.numel())
+        bits = to_bits(t)  # a view: the scatter writes into t
+        bits[idx] = decode_values(
+            e.get("values_as"),
+            e.get("value_width"),
+            parts["values"],
+            parts["value_escapes"],
+            bits[idx],
+            dtype.is_floating_point,
+        )
     return t, tensor_digest(name, t)

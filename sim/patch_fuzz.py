@@ -238,9 +238,9 @@ def bombs(limit: int, key) -> dict[str, bytes]:
         "frame-undeclared": zeros_frame(64 << 20, declared=False),
         # a small body whose header claims a huge tensor: refused before allocating it
         "tensor-shape": anchor_of(
-            {**dense, "shape": [1 << 20, 1 << 20], "count": 1 << 40, "values": [0, 64]}, bytes(64)
+            {**dense, "shape": [1 << 20, 1 << 20], "count": 1 << 40, "sizes": [64]}, bytes(64)
         ),
-        "tensor-overflow": anchor_of({**dense, "shape": [2**32, 2**32], "count": 0, "values": [0, 0]}, b""),
+        "tensor-overflow": anchor_of({**dense, "shape": [2**32, 2**32], "count": 0, "sizes": [0]}, b""),
         "sparse-count": anchor_of(
             {
                 **dense,
@@ -248,12 +248,9 @@ def bombs(limit: int, key) -> dict[str, bytes]:
                 "shape": [limit],
                 "count": 1 << 40,
                 "index_width": "uint8",
-                "index": [0, 8],
-                "index_escapes": [8, 0],
                 "values_as": "delta",
                 "value_width": "uint8",
-                "values": [8, 8],
-                "value_escapes": [16, 0],
+                "sizes": [8, 0, 8, 0],
             },
             bytes(16),
         ),

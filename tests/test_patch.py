@@ -89,9 +89,9 @@ def test_modes_chosen_per_tensor():
     new["far"][::50] = torch.randn(20, generator=g).bfloat16()
     new["dense"] = torch.randn(1000, generator=g).bfloat16()
     patch = encode_patch(base, new, 0, 1)
-    modes = {e["name"]: (e["mode"], e.get("values_as")) for e in read_header(patch).tensors}
-    assert modes == {
-        "same": ("same", None),
+    names = sorted(base)
+    modes = {names[e["at"]]: (e["mode"], e.get("values_as")) for e in read_header(patch).tensors}
+    assert modes == {  # "same" is not listed: the base's own tensor
         "ulp": ("sparse", "sign"),
         "steps": ("sparse", "delta"),
         "far": ("sparse", "raw"),
@@ -125,8 +125,10 @@ def test_specific_errors():
     renamed = {"v": base["w"].clone()}
     with pytest.raises(BaseMismatch):
         apply_patch(renamed, patch)
-    with pytest.raises(TensorMismatch):
-        apply_patch(renamed, patch, base_hash=state_hash(base))  # claims the right hash, holds other tensors
+    with pytest.raises(TargetMismatch):  # claims the right hash, holds other tensors: the result shows it
+        apply_patch(renamed, patch, base_hash=state_hash(base))
+    with pytest.raises(TensorMismatch):  # fewer tensors than the patch changes
+        apply_patch({}, patch, base_hash=state_hash(base))
 
 
 def test_zip_bomb_is_refused_before_decompressing():
@@ -175,21 +177,27 @@ def test_apply_never_modifies_the_base():
         apply_patch(base, rewrap(bytes(body)))
 
 
-@pytest.mark.parametrize("bad", [["bfloat16"], {"x": 1}, 7, None])
-def test_a_header_field_of_the_wrong_kind_is_a_patch_error(bad):
-    base, patch, _ = _fuzz_cases()[0]
+@pytest.mark.parametrize("bad", [["bfloat16"], {"x": 1}, "7", None, -1, True])
+@pytest.mark.parametrize("case, field", [(1, "dtype"), (1, "shape"), (0, "mode"), (0, "at"), (0, "sizes")])
+def test_a_header_field_of_the_wrong_kind_is_a_patch_error(bad, case, field):
+    base, patch, _ = _fuzz_cases()[case]  # 0: a delta (tensors by position), 1: an anchor (by name)
 
     def edit(header):
-        header["tensors"][0]["dtype"] = bad
+        header["tensors"][0][field] = bad
 
     with pytest.raises(CorruptPatch, match="malformed tensor entry"):
         apply_patch(base, with_header(patch, edit))
 
-    def edit_mode(header):
-        header["tensors"][0]["mode"] = bad
 
-    with pytest.raises(CorruptPatch, match="malformed tensor entry"):
-        apply_patch(base, with_header(patch, edit_mode))
+def test_a_patch_lists_each_changed_tensor_once_in_order():
+    base, patch, _ = _fuzz_cases()[0]
+    for order in (lambda ts: ts[::-1], lambda ts: ts[:1] * 2):
+
+        def edit(header, order=order):
+            header["tensors"] = order(header["tensors"])
+
+        with pytest.raises(CorruptPatch, match="once each, in order"):
+            apply_patch(base, with_header(patch, edit))
 
 
 def test_a_shape_whose_size_overflows_is_refused_before_any_allocation():
@@ -197,7 +205,7 @@ def test_a_shape_whose_size_overflows_is_refused_before_any_allocation():
 
     def edit(header):  # 2**64 elements, which wrap to 0 in int64: an empty dense section "fits"
         first = header["tensors"][0]
-        header["tensors"] = [{**first, "shape": [2**32, 2**32], "count": 0, "values": [0, 0]}]
+        header["tensors"] = [{**first, "shape": [2**32, 2**32], "count": 0, "sizes": [0]}]
 
     with pytest.raises(CorruptPatch):
         apply_patch(None, with_header(anchor, edit))
