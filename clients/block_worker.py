@@ -29,8 +29,8 @@ from fedrl.clients.runtime import CommResult, Runtime, Timing, current_runtime
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.lora import AdapterModel
 from fedrl.patch import encode_patch, state_hash
-from fedrl.patch_chain import published, synchronize
-from fedrl.patch_routes import PatchRef, cheapest_path
+from fedrl.patch_chain import SyncFailed, published, synchronize
+from fedrl.patch_routes import PatchRef
 from fedrl.protocol import NO_UPLOAD, TrainInstruction, TrainReport
 from fedrl.rollout import rollout, score
 from fedrl.signing import load_public_key, verify_signed_patch
@@ -100,12 +100,21 @@ def communicate(
                 public_key = load_public_key(instr.public_key.encode())
                 held = state.held if sync == "patch" or state.held_version == instr.version else None
                 held_version = state.held_version if held else None
-                refs = [PatchRef(**r) for r in run(client.catalog(instr.version, held_version))["refs"]]
-                result.full_sync_bytes = sum(r.size for r in cheapest_path(refs, None, instr.version) or [])
-                if sync == "full":
-                    refs = [r for r in refs if r.base_version is None]
                 fetch = lambda ref: verify_signed_patch(run(client.get(ref.key)), public_key)  # noqa: E731
-                result.held, plan = synchronize(held, held_version, instr.version, refs, fetch)
+                # the cheapest route alone first (it verifies in most rounds), every route if it fails
+                tries = (1, None) if sync == "patch" else (None,)
+                for plans in tries:
+                    answer = run(client.catalog(instr.version, held_version, plans))
+                    result.full_sync_bytes = answer["full_sync_bytes"]
+                    refs = [PatchRef(**r) for r in answer["refs"]]
+                    if sync == "full":
+                        refs = [r for r in refs if r.base_version is None]
+                    try:
+                        result.held, plan = synchronize(held, held_version, instr.version, refs, fetch)
+                        break
+                    except SyncFailed:
+                        if plans is None:
+                            raise
                 result.sync_patches = len(plan)
         finally:
             run(client.__aexit__(None, None, None))

@@ -58,8 +58,13 @@ def sync_plans(refs: list[PatchRef], held_version: int | None, target: int) -> l
     return plans
 
 
-def routes_in(refs: list[dict], held_version: int | None, target: int) -> list[dict]:
-    """The catalog refs (as published, dicts) on the routes `sync_plans` would try, in catalog
-    order: what a node holding `held_version` (None: nothing) needs to reach `target`."""
-    used = {r.key for plan in sync_plans([PatchRef(**r) for r in refs], held_version, target) for r in plan}
-    return [r for r in refs if r["key"] in used]
+def routes_in(refs: list[dict], held_version: int | None, target: int, plans: int | None = None) -> dict:
+    """What a node holding `held_version` (None: nothing) needs to reach `target`: the catalog refs
+    (as published, dicts, in catalog order) on the first `plans` routes `sync_plans` would try
+    (None: all), and the bytes of a sync from nothing (what the node's cache saves, for reports).
+    Most rounds the first route verifies; a node asks for the rest only when it does not."""
+    parsed = [PatchRef(**r) for r in refs]
+    routes = sync_plans(parsed, held_version, target)[:plans]
+    used = {r.key for plan in routes for r in plan}
+    full = cheapest_path(parsed, None, target) or []
+    return {"refs": [r for r in refs if r["key"] in used], "full_sync_bytes": sum(r.size for r in full)}

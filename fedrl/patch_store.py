@@ -6,7 +6,9 @@
   DELETE /objects/{sha256}        admin only; ?principal=P releases only P's upload of it
   GET    /catalog                 published global patches: refs, latest version, public key;
                                    ?target=T[&held=V]: only the refs of the routes from V (or from
-                                   nothing) to T, what a node syncing to T needs (fedrl.patch_routes)
+                                   nothing) to T, what a node syncing to T needs (fedrl.patch_routes);
+                                   &plans=N: only the first N routes (a node asks for the rest when
+                                   they fail)
   POST   /catalog                 admin only: replace the catalog (objects it drops are deleted)
   POST   /enroll                  an invite's holder asks to join: {"public_key", "name"}
   GET    /enroll/{fingerprint}    that request's status: pending, approved or refused (invite)
@@ -132,13 +134,13 @@ def _digest(request: web.Request) -> str:
     return digest
 
 
-def _version(request: web.Request, name: str) -> int | None:
-    """A version number from the query (absent: None)."""
+def _whole_number(request: web.Request, name: str) -> int | None:
+    """A version number or count from the query (absent: None)."""
     text = request.query.get(name)
     if text is None:
         return None
     if not (text.isascii() and text.isdigit()) or len(text) > 18:
-        raise web.HTTPBadRequest(text=f"{name} must be a version number (an integer >= 0), got {text[:20]!r}")
+        raise web.HTTPBadRequest(text=f"{name} must be a whole number (an integer >= 0), got {text[:20]!r}")
     return int(text)
 
 
@@ -371,9 +373,13 @@ def make_app(state: StoreState) -> web.Application:
         _principal(request, state)
         if "target" not in request.query:
             return web.json_response(state.catalog)
-        target, held = _version(request, "target"), _version(request, "held")
-        refs = routes_in(state.catalog["refs"], held, target)  # the key: the node has it from its instruction
-        return web.json_response({"latest": state.catalog["latest"], "refs": refs})
+        target, held = _whole_number(request, "target"), _whole_number(request, "held")
+        plans = _whole_number(request, "plans")
+        if plans == 0:
+            raise web.HTTPBadRequest(text="plans must be at least 1 (leave it out for every route)")
+        answer = routes_in(state.catalog["refs"], held, target, plans)
+        # no public key: the node has it from its instruction
+        return web.json_response({"latest": state.catalog["latest"], **answer})
 
     @routes.post("/catalog")
     async def post_catalog(request):

@@ -118,12 +118,16 @@ class PatchStoreClient:
         except aiohttp.ClientError as err:
             raise StoreError(f"{method} {path}: {err}") from None
 
-    async def catalog(self, target: int | None = None, held: int | None = None) -> dict:
-        """The published catalog; with `target`, only the refs of the routes from `held` (None:
-        holding nothing) to it. A node reads this every round, so its bytes are metered."""
+    async def catalog(
+        self, target: int | None = None, held: int | None = None, plans: int | None = None
+    ) -> dict:
+        """The published catalog; with `target`, only the refs of the (first `plans`) routes from
+        `held` (None: holding nothing) to it. A node reads this every round, so its bytes are metered."""
         path = "/catalog" if target is None else f"/catalog?target={int(target)}"
         if target is not None and held is not None:
             path += f"&held={int(held)}"
+        if target is not None and plans is not None:
+            path += f"&plans={int(plans)}"
         return await self.json("GET", path, metered=True)
 
     async def meta(self, digest: str) -> dict:

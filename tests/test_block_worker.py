@@ -135,3 +135,50 @@ def test_a_node_holds_v0_only_when_its_own_seeded_build_hashes_as_the_coordinato
     assert holding_origin(kept, initial, instr) is kept
     with pytest.raises(SchemaError, match="wire_dtype must be one of"):
         TrainInstruction.parse(_instruction(wire_dtype="int8"))
+
+
+def test_a_node_whose_cheapest_route_fails_reads_every_route_and_syncs_by_another():
+    """A node asks the store for the cheapest route alone; when that patch does not verify it
+    asks for every route and takes the next (here v1's anchor), on a real store."""
+    from fedrl.clients.block_worker import ClientState, communicate
+    from fedrl.clients.runtime import CommResult, Runtime
+    from fedrl.credentials import ADMIN, new_secret, node_principal, token_for
+    from fedrl.patch import encode_patch, state_hash
+    from fedrl.patch_store import PatchStoreServer, StoreState
+    from fedrl.signing import generate_signing_key, public_key_pem, sign_patch
+    from fedrl.store_client import BlockingStoreClient
+
+    secret, key = new_secret(), generate_signing_key()
+    v0 = {"w": torch.randn(256, generator=torch.Generator().manual_seed(0)).bfloat16()}
+    v1 = {"w": v0["w"].clone()}
+    v1["w"].view(torch.int16)[::16] += 1
+    server = PatchStoreServer(StoreState(secret)).start()
+    try:
+        admin = BlockingStoreClient(server.url, ADMIN, token_for(secret, ADMIN))
+        skip = encode_patch(v0, v1, 0, 1)
+        tampered = sign_patch(skip[:-40] + bytes(40), key)  # signed, but not the patch it claims to be
+        anchor = sign_patch(encode_patch(None, v1, None, 1), key)
+        refs = [
+            {"base_version": None, "target_version": 1, "size": len(anchor), "key": admin.put(anchor)},
+            {"base_version": 0, "target_version": 1, "size": len(tampered), "key": admin.put(tampered)},
+        ]
+        admin.publish({"latest": 1, "refs": refs, "public_key": public_key_pem(key).decode()})
+        admin.close()
+        principal = node_principal(1)
+        instr = TrainInstruction.parse(
+            _instruction(
+                version=1,
+                store_url=server.url,
+                principal=principal,
+                token=token_for(secret, principal),
+                public_key=public_key_pem(key).decode(),
+            )
+        )
+        result = CommResult()
+        communicate(instr, ClientState(held=v0, held_version=0), None, "patch", result, Runtime())
+    finally:
+        server.stop()
+    assert result.error is None and state_hash(result.held) == state_hash(v1)
+    assert result.sync_patches == 1 and result.full_sync_bytes == len(anchor)
+    # both patches were downloaded: the cheapest route, then the anchor it fell back to
+    assert result.links[0].bytes_down > len(anchor) + len(tampered)

@@ -156,15 +156,22 @@ def test_a_node_is_answered_with_the_refs_of_its_routes_only():
     """What the store sends a node syncing to T: the refs `synchronize` could try, none else."""
     pub, store, hist = publish_all(9, anchor_every=4)
     catalog = [vars(r) for r in store.refs if in_catalog(r.base_version, r.target_version, 9, pub)]
+    full = sum(r.size for r in cheapest_path([PatchRef(**r) for r in catalog], None, 9))
     for held in (None, 0, 5, 7, 8, 9):
-        routes = routes_in(catalog, held, 9)
+        answer = routes_in(catalog, held, 9)
+        routes = answer["refs"]
         assert routes == [r for r in catalog if r in routes]  # catalog order, no copies
+        assert answer["full_sync_bytes"] == full
         kept = [PatchRef(**r) for r in routes]
-        assert sync_plans(kept, held, 9) == sync_plans([PatchRef(**r) for r in catalog], held, 9)
+        plans = sync_plans([PatchRef(**r) for r in catalog], held, 9)
+        assert sync_plans(kept, held, 9) == plans
         assert len(routes) <= 3 < len(catalog), (held, len(routes), len(catalog))  # a skip; an anchor + 1
-        state, _ = synchronize(hist[held] if held is not None else None, held, 9, kept, store.fetch)
-        assert state_hash(state) == state_hash(hist[9])
-    assert routes_in(catalog, 3, 42) == []  # no route to a version never published
+        first = [PatchRef(**r) for r in routes_in(catalog, held, 9, plans=1)["refs"]]
+        assert first == plans[0]  # the cheapest route alone
+        for refs in (kept, first):
+            state, _ = synchronize(hist[held] if held is not None else None, held, 9, refs, store.fetch)
+            assert state_hash(state) == state_hash(hist[9])
+    assert routes_in(catalog, 3, 42) == {"refs": [], "full_sync_bytes": 0}  # never published
 
 
 def test_a_catalog_that_relabels_an_old_anchor_is_a_rollback_and_refused():

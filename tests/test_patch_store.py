@@ -331,6 +331,10 @@ def test_a_node_asks_for_the_refs_of_its_routes_and_bad_queries_or_refs_are_refu
     assert node.catalog(target=2)["refs"] == [refs[0], refs[3]]
     assert node.catalog(target=1, held=0)["refs"] == [refs[0], refs[1]]
     assert node.catalog(target=7, held=0)["refs"] == []
+    first = node.catalog(target=2, held=0, plans=1)
+    assert (
+        first["refs"] == [refs[3]] and first["full_sync_bytes"] == 960
+    )  # the skip alone; v0's anchor + skip
 
     async def raw_get(query):
         async with PatchStoreClient(server.url, "node-3", token_for(secret, "node-3")) as c:
@@ -338,9 +342,18 @@ def test_a_node_asks_for_the_refs_of_its_routes_and_bad_queries_or_refs_are_refu
             async with c.session.get(url, headers=headers) as resp:
                 return resp.status, await resp.text()
 
-    for query in ("target=-1", "target=x", "target=1&held=1.5", "target=²", "target=" + "9" * 30):
+    for query in (
+        "target=-1",
+        "target=x",
+        "target=1&held=1.5",
+        "target=²",
+        "target=" + "9" * 30,
+        "target=2&plans=-1",
+    ):
         status, text = asyncio.run(raw_get(query))
-        assert status == 400 and "version number" in text, (query, status, text)
+        assert status == 400 and "whole number" in text, (query, status, text)
+    status, text = asyncio.run(raw_get("target=2&plans=0"))
+    assert status == 400 and "at least 1" in text
     for bad in (
         {"base_version": 0, "target_version": 1, "key": keys[1]},  # no size
         {"base_version": "0", "target_version": 1, "size": 5, "key": keys[1]},
