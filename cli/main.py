@@ -159,7 +159,7 @@ def cmd_invite(args) -> int:
     from fedrl.invite import make_invite
     from fedrl.sim.runner import parse_overrides
 
-    learner = learner_settings(parse_overrides(args.set or []))
+    learner = learner_settings(parse_overrides(args.set or []))  # compose passes the whole RUN_CONFIG
     invite = make_invite(
         args.run,
         args.superlink,
@@ -389,7 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--valid-days", type=float, default=30.0, help="the invite enrolls keys this long (default 30)"
     )
     p.add_argument(
-        "--set", nargs="+", action="extend", metavar="KEY=VALUE", help="learner settings, e.g. model=tiny"
+        "--set",
+        nargs="+",
+        action="extend",
+        metavar="KEY=VALUE",
+        help="the run's config (model=tiny versions=12 ...); the invite carries its learner settings",
     )
     p.set_defaults(func=cmd_invite)
 

@@ -25,21 +25,17 @@ from pathlib import Path
 
 from fedrl.certs import make_ca, make_node_key, make_server_cert
 from fedrl.credentials import load_or_create_secret
-from fedrl.deploy.federation import DeployError, Federation, app_config, tool
+from fedrl.deploy.federation import DeployError, Federation, app_config, run_config, tool
 from fedrl.invite import Invite, make_invite
 from fedrl.protocol import LearnerSettings
 
 INVITE_LEARNER_KEYS = tuple(LearnerSettings.model_fields)
 
 
-def learner_settings(overrides: dict, strict: bool = True) -> dict:
-    """The learner settings an invite carries: the deployment app's defaults, then `overrides`
-    (dashes or underscores). Other keys are an error when `strict`, else left to the run."""
-    chosen = {k.replace("-", "_"): v for k, v in overrides.items()}
-    unknown = set(chosen) - set(INVITE_LEARNER_KEYS)
-    if strict and unknown:
-        raise ValueError(f"an invite carries only {', '.join(INVITE_LEARNER_KEYS)}; not {sorted(unknown)}")
-    config = {k.replace("-", "_"): v for k, v in app_config().items()} | chosen
+def learner_settings(run_overrides: dict) -> dict:
+    """The learner settings an invite carries: the deployment app's defaults, then the run's
+    overrides (dashes or underscores; any run config key, checked, the learner ones kept)."""
+    config = {k.replace("-", "_"): v for k, v in (app_config() | run_config(run_overrides)).items()}
     return {k: config[k] for k in INVITE_LEARNER_KEYS}
 
 
@@ -238,7 +234,7 @@ class LocalDeployment:
             self.store_url,
             self.certs / "ca.pem",
             self.secret,
-            **learner_settings(settings, strict=False),
+            **learner_settings(settings),
         )
 
     def start_approver(self, say=print) -> None:

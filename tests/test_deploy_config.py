@@ -7,10 +7,12 @@ import subprocess
 import sys
 
 import pytest
+from compose_file import service_argv, services
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from fedrl.certs import make_deployment_credentials, make_node_key, make_server_cert
+from fedrl.cli.main import build_parser
 from fedrl.deploy.federation import DeployError, Federation, app_config, run_config
 from fedrl.deploy.local import check_port_free
 from fedrl.strategies.run_config import RunConfig
@@ -116,3 +118,15 @@ def test_the_compose_entry_points_refuse_bad_input_before_waiting(tmp_path):
     assert out.returncode == 2 and "unknown run config keys ['bogus']" in out.stderr
     out = fedrl("node", "--certs", str(tmp_path / "nowhere"))
     assert out.returncode == 2 and "ca.pem not found" in out.stderr
+
+
+def test_every_fedrl_command_of_the_compose_file_parses():
+    parser = build_parser()
+    commands = {name: service_argv(name, {}) for name, service in services().items() if "command" in service}
+    fedrl = {name: argv for name, argv in commands.items() if argv[0] == "fedrl"}
+    assert {"patch-store", "supernode", "submit", "invite", "approver"} <= set(fedrl)
+    for name, argv in fedrl.items():
+        try:
+            parser.parse_args(argv[1:])
+        except SystemExit:
+            pytest.fail(f"compose service {name}: `{' '.join(argv)}` does not parse")
