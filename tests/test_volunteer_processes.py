@@ -2,9 +2,9 @@
 SuperNode auth) and the operator's approver, no SuperNodes of the operator's own. Two
 volunteers join with `fedrl volunteer join INVITE` as processes. During one run, volunteer A is
 withdrawn with SIGINT mid-round (exit 0 once the coordinator, which records "left" at once, says
-goodbye) and joins again (it resumes from its cached state: far fewer bytes down than a fresh node), and
-volunteer B is SIGKILLed and restarted (its cache is intact; it rejoins once Flower releases
-its old session and works again). Limits: learner threads, the upload cap and the memory cap
+goodbye) and joins again (it resumes from its cached state: with the run's top-1% uploads it
+pulls a small fraction of an anchor), and volunteer B is SIGKILLed and restarted (its cache is
+intact; it rejoins once Flower releases its old session and works again). Limits: learner threads, the upload cap and the memory cap
 (the kernel's, on each process of the node) are kept to.
 Then a revoked key, a bad invite and an unreachable coordinator fail clearly."""
 
@@ -100,6 +100,7 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
             node_wait_s=180.0,
             deadline_s=60.0,
             task_params=json.dumps({"length": 8, "num_eval": 64}),
+            upload_density=0.01,
         )
         # A: withdrawn with SIGINT while it works on a round (its second or later)
         wait_for(
@@ -149,8 +150,10 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
     replies_a = [e for e in events if e["kind"] == "reply" and e["node"] == node_a]
     t_left = withdrew[0]["t"]
     comeback = [e for e in replies_a if e["t"] > t_left][0]
-    # it synced from the version it cached, not from nothing: fewer bytes than a cold node's sync
-    assert comeback["full_sync_bytes"] > 0 and comeback["bytes_down"] < comeback["full_sync_bytes"], comeback
+    # it synced from the version it cached, not from nothing: with top-1% uploads the versions it
+    # missed changed a few entries, and it pulled those alone (about 1/13 of an anchor here)
+    full_sync = comeback["full_sync_bytes"]
+    assert full_sync > 0 and 4 * comeback["bytes_down"] < full_sync, comeback
     # the probe travelled and was used: once the coordinator had A's probe (with its first
     # reply) it asked for no more steps than the cap; A never did more; the hardware is reported
     client_a = summary["clients"][str(node_a)]
