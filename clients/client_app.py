@@ -127,7 +127,8 @@ def node_runtime(node: NodeSettings):
 
 
 def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport, holds_delta: bool) -> None:
-    measured = {"step_s": report.compute_s / report.steps} if report.steps else {}  # else: kept
+    # a round that trained nothing (a sync, a flush) keeps the last measured step time and reward
+    measured = {"step_s": report.compute_s / report.steps, "reward": report.reward} if report.steps else {}
     update_status(
         state_dir,
         add={
@@ -139,7 +140,6 @@ def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport, 
         version=instr.version,
         synced_version=report.synced_version,
         staleness=report.staleness,
-        reward=report.reward,
         steps=report.steps,
         last_bytes_down=report.bytes_down,
         last_full_sync_bytes=report.full_sync_bytes,  # what the cache saved: this minus the above

@@ -268,6 +268,38 @@ def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
     assert (home.state_dir / STATUS).exists()
 
 
+def test_a_round_that_trains_nothing_keeps_the_last_reward_and_step_time(tmp_path):
+    from types import SimpleNamespace
+
+    from fedrl.clients.client_app import record_status
+    from fedrl.node_files import STATUS, read_json
+    from fedrl.protocol import NO_UPLOAD, TrainReport
+
+    def report(steps: int, reward: float) -> TrainReport:
+        zero = dict.fromkeys(
+            ("loss", "gate_mean", "comm_s", "overlap_s", "duration_s", "link_bytes_per_s", "memory_mb"), 0.0
+        )
+        return TrainReport(
+            upload_key="",
+            upload_block=NO_UPLOAD,
+            upload_base_version=0,
+            upload_samples=0,
+            synced_version=1,
+            reward=reward,
+            steps=steps,
+            compute_s=0.5 * steps,
+            bytes_up=0,
+            bytes_down=10,
+            staleness=0,
+            **zero,
+        )
+
+    record_status(str(tmp_path), SimpleNamespace(version=1), report(steps=2, reward=0.75), holds_delta=True)
+    record_status(str(tmp_path), SimpleNamespace(version=2), report(steps=0, reward=0.0), holds_delta=False)
+    status = read_json(tmp_path / STATUS)
+    assert (status["reward"], status["step_s"], status["rounds"], status["version"]) == (0.75, 0.5, 1, 2)
+
+
 @pytest.mark.parametrize(
     "on_exit,status,log,waited_s,stops",
     [

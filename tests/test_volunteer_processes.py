@@ -4,8 +4,9 @@ volunteers join with `fedrl volunteer join INVITE` as processes. During one run,
 withdrawn with SIGINT mid-round (exit 0 once the coordinator, which records "left" at once, says
 goodbye) and joins again (it resumes from its cached state: with the run's top-1% uploads it
 pulls a small fraction of an anchor), and volunteer B is SIGKILLed and restarted (its cache is
-intact; it rejoins once Flower releases its old session and works again). Limits: learner threads, the upload cap and the memory cap
-(the kernel's, on each process of the node) are kept to.
+intact; it rejoins once Flower releases its old session and works again). Limits: learner
+threads, the upload cap and the memory cap (the kernel's, on each process of the node) are kept
+to.
 Then a revoked key, a bad invite and an unreachable coordinator fail clearly."""
 
 import json
