@@ -27,7 +27,14 @@ from fedrl.clients.model_cache import ModelCache
 from fedrl.clients.node import NodeSettings, check_pin, load_pins, save_pins
 from fedrl.clients.runtime import NodeRuntime, use_runtime
 from fedrl.node_files import PROBE, read_json, update_status
-from fedrl.protocol import NO_UPLOAD, HardwareProbe, TrainInstruction, TrainReport
+from fedrl.protocol import (
+    NO_UPLOAD,
+    SETTINGS_UNKNOWN,
+    HardwareProbe,
+    TrainInstruction,
+    TrainReport,
+    join_instruction,
+)
 
 # Flower's arrays are numpy's, which has no bfloat16: such a tensor is kept as its raw bits
 # (int16) under its name with this suffix, and comes back bit for bit.
@@ -126,6 +133,20 @@ def node_runtime(node: NodeSettings):
     )
 
 
+def read_instruction(content: RecordDict, state: RecordDict) -> TrainInstruction:
+    """The whole instruction: its head, with the settings it carries (kept for the messages that
+    will not) or the ones kept. ValueError (SETTINGS_UNKNOWN) when neither is the head's."""
+    head = content["instruction"]
+    if "settings" in content.config_records:
+        instr = join_instruction(head, content["settings"])  # malformed: an error reply
+        state["settings"] = ConfigRecord({**content["settings"], "settings_id": head["settings_id"]})
+        return instr
+    kept = dict(state.config_records.get("settings", {}))
+    if kept.pop("settings_id", None) != head.get("settings_id"):
+        raise ValueError(f"{SETTINGS_UNKNOWN}: this node does not hold settings {head.get('settings_id')}")
+    return join_instruction(head, kept)
+
+
 def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport, holds_delta: bool) -> None:
     # a round that trained nothing (a sync, a flush) keeps the last measured step time and reward
     measured = {"step_s": report.compute_s / report.steps, "reward": report.reward} if report.steps else {}
@@ -157,8 +178,8 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
 
     @app.train("block")
     def train_block(msg: Message, context: Context) -> Message:
-        instr = TrainInstruction.parse(msg.content["instruction"])  # malformed: an error reply
         try:
+            instr = read_instruction(msg.content, context.state)
             node = NodeSettings.from_node_config(context.node_config)
             trust_coordinator(context.state, node.state_dir, instr)
             probe = read_probe(node.state_dir)

@@ -8,7 +8,9 @@ timings. Nothing about simulated clients travels here (fedrl.sim wraps the apps 
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Mapping
 
 from pydantic import model_validator
 
@@ -114,6 +116,43 @@ class TrainInstruction(LearnerSettings):
     @property
     def shard(self) -> int:
         return self.client_id % self.data_shards
+
+
+class InstructionHead(Schema):
+    """What an instruction changes every round. The rest of it (the run's settings: learner, store,
+    credential, the coordinator's key, ~700 bytes) travels in a "settings" record only until a reply
+    shows the node holds them; `settings_id` names the settings the head goes with."""
+
+    action: str
+    block: int
+    steps: int
+    version: int
+    round: int
+    seed: int
+    client_id: int
+    settings_id: str
+
+
+ROUND_FIELDS = tuple(n for n in InstructionHead.model_fields if n != "settings_id")
+SETTINGS_UNKNOWN = "settings unknown"  # a node's error reason: send the settings again
+
+
+def settings_id(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def split_instruction(instr: TrainInstruction) -> tuple[dict, dict]:
+    """The instruction as it travels: its head (round fields + settings id) and its settings."""
+    record = instr.to_record()
+    settings = {k: v for k, v in record.items() if k not in ROUND_FIELDS}
+    return {k: record[k] for k in ROUND_FIELDS} | {"settings_id": settings_id(settings)}, settings
+
+
+def join_instruction(head: Mapping, settings: Mapping) -> TrainInstruction:
+    """The whole instruction from a head and the settings the node holds (or was just sent)."""
+    fields = {k: v for k, v in InstructionHead.parse(head, "instruction").to_record().items()}
+    fields.pop("settings_id")
+    return TrainInstruction.parse({**settings, **fields}, "instruction")
 
 
 class TrainReport(Schema):

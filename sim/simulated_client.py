@@ -20,7 +20,7 @@ from flwr.common.constant import ErrorCode
 from fedrl.clients.runtime import CommResult, Runtime, Timing, use_runtime
 from fedrl.frictions import corrupt_rewards, inject_bugs
 from fedrl.link import Link
-from fedrl.protocol import TrainInstruction
+from fedrl.protocol import InstructionHead
 from fedrl.schema import Schema, SchemaError
 from fedrl.sim.attacks import poison
 from fedrl.sim.clock import round_seconds
@@ -91,7 +91,7 @@ def simulated_client(msg: Message, context: Context, call_next) -> Message:
     del msg.content[STAMP]
     runtime = SimulatedRuntime(profile, stamp.clock == "virtual", stamp.step_s)
     try:
-        instr = TrainInstruction.parse(msg.content["instruction"])
+        instr = InstructionHead.parse(msg.content["instruction"])  # what the round needs of it
     except (KeyError, SchemaError):
         instr = None  # the real app answers a malformed message itself
     if instr is not None:

@@ -23,14 +23,17 @@ from pathlib import Path
 
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
+from flwr.common.serde import message_to_proto
 
 from fedrl.blocks import ALL_BLOCKS
 from fedrl.clock import Clock, RealClock
 from fedrl.credentials import (
     ADMIN,
+    NODE_TOKEN_TTL_S,
     load_or_create_secret,
     node_principal,
     read_secret,
+    token_expires,
     token_for,
     token_source,
 )
@@ -42,7 +45,14 @@ from fedrl.node_files import write_json
 from fedrl.patch import PatchError, PatchLimits, apply_patch, state_hash
 from fedrl.patch_chain import PatchPublisher, in_catalog, published
 from fedrl.patch_store import PatchStoreServer, StoreState
-from fedrl.protocol import MESSAGE_TYPE, LearnerSettings, TrainInstruction, TrainReport
+from fedrl.protocol import (
+    MESSAGE_TYPE,
+    SETTINGS_UNKNOWN,
+    LearnerSettings,
+    TrainInstruction,
+    TrainReport,
+    split_instruction,
+)
 from fedrl.rollout import greedy_eval
 from fedrl.run_events import EventLog
 from fedrl.run_metrics import RunMetrics
@@ -80,8 +90,14 @@ class Dispatch:
     steps: int  # what the scheduler asked for (a node keeps to its own probe's cap)
     sent: float  # on the run's clock
     watchdog: float  # time.monotonic() after which the message is given up
+    settings_id: str  # the settings the instruction went with
     arrived: bool = False  # the Grid delivered the reply; the clock decides when it is handled
     expired: bool = False  # the round outlasted the deadline on the run's clock
+
+
+def wire_bytes(msg: Message) -> int:
+    """A Flower message's size as the Grid carries it (protobuf; gRPC and TLS framing not counted)."""
+    return message_to_proto(msg).ByteSize()
 
 
 class Rejected(ValueError):
@@ -196,6 +212,8 @@ class Coordinator:
         self.rounds: dict[int, int] = {}  # node -> messages sent
         # node -> the version it said it holds (also after it left: it may come back with it)
         self.synced: dict[int, int] = {}
+        self.tokens: dict[int, str] = {}  # node -> its store credential, renewed at half its life
+        self.settings_held: dict[int, str] = {}  # node -> id of the settings a reply showed it holds
         self.eval_cpu_s = 0.0  # held-out evaluations, kept apart from the coordinator's own cost
         self.loop: dict = {}
         self.evals: list[dict] = []
@@ -366,6 +384,10 @@ class Coordinator:
         cfg = self.cfg
         self.rounds[node] = self.rounds.get(node, 0) + 1
         principal = node_principal(node)
+        token = self.tokens.get(node)
+        # renewed at half its life, not every round: the settings it travels in stay the same
+        if token is None or token_expires(token) - time.time() < NODE_TOKEN_TTL_S / 2:
+            token = self.tokens[node] = token_for(self.secret, principal)
         return TrainInstruction(
             **LearnerSettings.of(cfg),
             action=action,
@@ -375,7 +397,7 @@ class Coordinator:
             version=self.version,
             store_url=self.store_url,
             principal=principal,
-            token=token_for(self.secret, principal),
+            token=token,
             public_key=self.public_key,
             seed=cfg.seed,
             client_id=self.members.client_id(node),
@@ -397,27 +419,40 @@ class Coordinator:
         instr = self.instruction(node, block, steps, action)
         # the message's ttl is the wall-clock watchdog; on a virtual clock the deadline is virtual
         ttl = self.cfg.watchdog_s if self.clock.virtual else self.cfg.deadline_s
-        msg_id = self.push(node, instr, ttl)
+        msg_id, settings = self.push(node, instr, ttl)
         if not msg_id:
             if action == "train" and block >= 0:
                 self.scheduler.release(block)
             return
         self.in_flight[msg_id] = Dispatch(
-            node, block, action, self.version, steps, self.now(), time.monotonic() + ttl + 5
+            node,
+            block,
+            action,
+            self.version,
+            steps,
+            self.now(),
+            time.monotonic() + ttl + 5,
+            settings,
         )
         self.clock.sent(msg_id, instr)
 
-    def push(self, node: int, instr: TrainInstruction, ttl: float) -> str:
-        """Send one instruction; its message id, or "" (and an error event) if the SuperLink refused it."""
-        content = RecordDict({"instruction": ConfigRecord(instr.to_record())})
+    def push(self, node: int, instr: TrainInstruction, ttl: float) -> tuple[str, str]:
+        """Send one instruction; its message id ("" and an error event if the SuperLink refused it)
+        and its settings id. The run's settings go with it until a reply shows the node holds them."""
+        head, settings = split_instruction(instr)
+        content = RecordDict({"instruction": ConfigRecord(head)})
+        if self.settings_held.get(node) != head["settings_id"]:
+            content["settings"] = ConfigRecord(settings)
         msg = Message(
             content, dst_node_id=node, message_type=MESSAGE_TYPE, ttl=ttl, group_id=str(self.version)
         )
+        size = wire_bytes(msg)  # before a simulation's Grid stamps it
         ids = list(self.grid.push_messages([msg]))
         if not ids or not ids[0]:
             self.event("error", node=node, reason="message not accepted by the SuperLink")
-            return ""
-        return ids[0]
+            return "", head["settings_id"]
+        self.client_entry(node)["control_down"] += size + 2 + len(ids[0])  # + the id it was given
+        return ids[0], head["settings_id"]
 
     def close_dispatch(self, msg_id: str) -> Dispatch | None:
         d = self.in_flight.pop(msg_id, None)
@@ -439,6 +474,7 @@ class Coordinator:
         if d is None:  # given up already, or never ours
             self.event("unknown", ("unknown",), reason=f"reply to unknown message {msg_id[:12]}")
             return
+        self.client_entry(d.node)["control_up"] += wire_bytes(reply)
         if d.expired:
             self.event(
                 "error",
@@ -450,6 +486,8 @@ class Coordinator:
         if reply.has_error():
             if reply.error.code == ErrorCode.NODE_UNAVAILABLE:  # not again before the next refresh
                 self.unavailable.add(d.node)
+            if str(reply.error.reason).startswith(SETTINGS_UNKNOWN):  # e.g. a restarted ClientApp
+                self.settings_held.pop(d.node, None)
             self.event(
                 "error",
                 ("replies", "errors"),
@@ -469,6 +507,7 @@ class Coordinator:
                 reason=f"malformed reply: {str(err)[:240]}",
             )
             return
+        self.settings_held[d.node] = d.settings_id  # it answered: it holds them
         if d.node not in self.members.present:
             self.event("late", node=d.node, reason="reply from a node that has left; its work still counts")
         if report.steps:
@@ -487,10 +526,8 @@ class Coordinator:
         if report.leaving:
             self.withdraw(d.node, report.leaving)
 
-    def record_client(self, d: Dispatch, r: TrainReport, probe=None) -> None:
-        node = d.node
-        self.synced[node] = r.synced_version
-        c = self.clients.setdefault(
+    def client_entry(self, node: int) -> dict:
+        return self.clients.setdefault(
             node,
             {
                 "client_id": self.members.client_id(node),
@@ -499,11 +536,18 @@ class Coordinator:
                 "comm_s": 0.0,
                 "overlap_s": 0.0,
                 "duration_s": 0.0,
-                "bytes_up": 0,
+                "bytes_up": 0,  # patches, to and from the store
                 "bytes_down": 0,
+                "control_up": 0,  # Flower messages: replies, and instructions down
+                "control_down": 0,
                 "timeline": [],
             },
         )
+
+    def record_client(self, d: Dispatch, r: TrainReport, probe=None) -> None:
+        node = d.node
+        self.synced[node] = r.synced_version
+        c = self.client_entry(node)
         c["messages"] += 1
         for k in ("compute_s", "comm_s", "overlap_s", "duration_s", "bytes_up", "bytes_down"):
             c[k] += getattr(r, k)
@@ -806,8 +850,7 @@ class Coordinator:
         self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
         adapter_dir = self.out_dir / "adapter"
         self.adapter.lm.model.save_pretrained(adapter_dir)
-        bytes_up = sum(c["bytes_up"] for c in self.clients.values())
-        bytes_down = sum(c["bytes_down"] for c in self.clients.values())
+        total = lambda key: sum(c[key] for c in self.clients.values())  # noqa: E731
         summary = {
             "config": self.cfg.model_dump(),
             "initial_eval": initial,
@@ -817,8 +860,10 @@ class Coordinator:
             "metric": "greedy_error",
             "rounds": sum(c["messages"] for c in self.clients.values()),
             "versions": self.version,
-            "bytes_up": bytes_up,
-            "bytes_down": bytes_down,
+            "bytes_up": total("bytes_up"),
+            "bytes_down": total("bytes_down"),
+            "control_bytes_up": total("control_up"),
+            "control_bytes_down": total("control_down"),
             "clock": "virtual" if self.clock.virtual else "real",
             "started_at": self.started_at,
             "time_s": round(self.now(), 2),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
 from fedrl.sim.local_grid import LocalGrid
@@ -23,7 +23,8 @@ class FakeGrid(LocalGrid):
         super().__init__(num_nodes, client_app)
         self.script = script or (lambda node, msg, reply: reply)
         self.present = set(self.contexts)
-        self.sent: list[tuple[int, dict]] = []  # (node, instruction) of every message pushed
+        self.sent: list[tuple[int, dict]] = []  # (node, whole instruction) of every message pushed
+        self.settings: dict[int, dict] = {}  # the settings last sent to each node
 
     def get_node_ids(self):
         return sorted(self.present)
@@ -46,12 +47,19 @@ class FakeGrid(LocalGrid):
         return {n: t.float() for n, t in load_state(self.contexts[node].state).held.items()}
 
     def reply_to(self, node, msg):
-        self.sent.append((node, dict(msg.content["instruction"])))
+        """The node's reply, through `script`; scripts see the instruction whole (head + settings),
+        as the node understood it."""
+        if "settings" in msg.content.config_records:
+            self.settings[node] = dict(msg.content["settings"])
+        whole = {**self.settings.get(node, {}), **msg.content["instruction"]}
+        self.sent.append((node, whole))
         if node not in self.present:
             return Message(
                 Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node is not connected"), reply_to=msg
             )
-        return self.script(node, msg, super().reply_to(node, msg))
+        reply = super().reply_to(node, msg)
+        msg.content["instruction"] = ConfigRecord(whole)
+        return self.script(node, msg, reply)
 
 
 def small_config(tmp_path, **changes) -> RunConfig:

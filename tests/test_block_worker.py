@@ -182,3 +182,30 @@ def test_a_node_whose_cheapest_route_fails_reads_every_route_and_syncs_by_anothe
     assert result.sync_patches == 1 and result.full_sync_bytes == len(anchor)
     # both patches were downloaded: the cheapest route, then the anchor it fell back to
     assert result.links[0].bytes_down > len(anchor) + len(tampered)
+
+
+def test_an_instruction_travels_as_a_head_and_settings_the_node_keeps():
+    from flwr.app import ConfigRecord, RecordDict
+
+    from fedrl.clients.client_app import read_instruction
+    from fedrl.protocol import ROUND_FIELDS, SETTINGS_UNKNOWN, join_instruction, split_instruction
+
+    instr = TrainInstruction.parse(_instruction(round=3, client_id=2, data_shards=4))
+    head, settings = split_instruction(instr)
+    assert join_instruction(head, settings) == instr
+    assert set(head) == {*ROUND_FIELDS, "settings_id"} and not set(settings) & set(ROUND_FIELDS)
+    later = split_instruction(instr.replace(round=4, version=9, block=1))[0]
+    assert later["settings_id"] == head["settings_id"]  # rounds change, the settings stay
+    assert split_instruction(instr.replace(lr=0.5))[0]["settings_id"] != head["settings_id"]
+    with pytest.raises(SchemaError, match="extra"):
+        join_instruction({**head, "extra": 1}, settings)
+
+    state = RecordDict()
+    first = RecordDict({"instruction": ConfigRecord(head), "settings": ConfigRecord(settings)})
+    assert read_instruction(first, state) == instr
+    assert read_instruction(RecordDict({"instruction": ConfigRecord(later)}), state).version == 9  # kept
+    other = split_instruction(instr.replace(lr=0.5))[0]
+    with pytest.raises(ValueError, match=SETTINGS_UNKNOWN):
+        read_instruction(RecordDict({"instruction": ConfigRecord(other)}), state)
+    with pytest.raises(ValueError, match=SETTINGS_UNKNOWN):
+        read_instruction(RecordDict({"instruction": ConfigRecord(later)}), RecordDict())  # a fresh node

@@ -442,8 +442,9 @@ def test_nodes_build_v0_themselves_and_a_node_whose_build_differs_downloads_it(t
 
     class Grid(FakeGrid):
         def reply_to(self, node, msg):
-            if node == 2:  # as if node 2's seeded build came out different
-                msg.content["instruction"]["origin_hash"] = "0" * 64
+            # as if node 2's seeded build came out different (the settings it keeps say so)
+            if node == 2 and "settings" in msg.content.config_records:
+                msg.content["settings"]["origin_hash"] = "0" * 64
             return super().reply_to(node, msg)
 
     grid = Grid(3, client_app)
@@ -458,3 +459,49 @@ def test_nodes_build_v0_themselves_and_a_node_whose_build_differs_downloads_it(t
         assert e["sync_patches"] == 0 and e["bytes_down"] < 0.05 * e["full_sync_bytes"], e  # the catalog only
     e = first[2]
     assert e["sync_patches"] == 1 and e["bytes_down"] >= e["full_sync_bytes"] > 0, e
+
+
+def test_flower_messages_are_counted_and_settings_travel_once_per_node(tmp_path):
+    from fedrl.strategies.coordinator import wire_bytes
+
+    class MeasuringGrid(FakeGrid):
+        down = up = 0
+        carried: list[int] = []  # the nodes of the messages that carried the settings
+
+        def reply_to(self, node, msg):
+            size = wire_bytes(msg)  # as it came, before the fake grid shows scripts the whole instruction
+            if "settings" in msg.content.config_records:
+                self.carried.append(node)
+            reply = super().reply_to(node, msg)
+            self.down, self.up = self.down + size, self.up + wire_bytes(reply)
+            return reply
+
+    grid = MeasuringGrid(3, client_app)
+    summary = run_coordinator(grid, config(tmp_path))
+    assert (summary["control_bytes_down"], summary["control_bytes_up"]) == (grid.down, grid.up)
+    assert sorted(grid.carried) == sorted({node for node, _ in grid.sent}) and summary["rounds"] > 3 * 3
+    assert summary["counts"]["errors"] == 0
+    # an instruction without its settings is a head of round fields: a tenth of a whole one
+    assert summary["control_bytes_down"] / summary["rounds"] < 400
+
+
+def test_a_node_that_lost_its_settings_says_so_and_is_sent_them_again(tmp_path):
+    from fedrl.protocol import SETTINGS_UNKNOWN
+
+    class ForgetfulGrid(FakeGrid):
+        forgot = False
+
+        def reply_to(self, node, msg):
+            if node == 1 and not self.forgot and len([n for n, _ in self.sent if n == 1]) == 2:
+                del self.contexts[1].state["settings"]  # as a restarted ClientApp would have lost it
+                self.forgot = True
+            return super().reply_to(node, msg)
+
+    grid = ForgetfulGrid(3, client_app)
+    summary = run_coordinator(grid, config(tmp_path, versions=4))
+    errors = [e for e in summary["events"] if e["kind"] == "error"]
+    assert grid.forgot and len(errors) == 1 and errors[0]["reason"].startswith(SETTINGS_UNKNOWN), errors
+    assert errors[0]["node"] == 1 and summary["versions"] >= 4
+    replies = [e for e in summary["events"] if e["kind"] == "reply" and e["node"] == 1]
+    assert [e for e in replies if e["t"] >= errors[0]["t"]], "node 1 works again, sent the settings"
+    assert summary["counts"]["rejected"] == 0

@@ -9,9 +9,13 @@ from fake_grid import instruction_record
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
+from fedrl.protocol import TrainInstruction, split_instruction
 from fedrl.sim.simulated_client import STAMP, Stamp, simulated_client
 
-INSTRUCTION = instruction_record(client_id=3, data_shards=4, round=1)
+# the head of an instruction: what the mod reads (the settings travel beside it, for the app)
+INSTRUCTION = split_instruction(
+    TrainInstruction.parse(instruction_record(client_id=3, data_shards=4, round=1))
+)[0]
 
 
 def _message(profile: dict) -> Message:

@@ -44,6 +44,8 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
             "initial_eval": 0.7,
             "bytes_up": 1,
             "bytes_down": 1,
+            "control_bytes_up": 1,
+            "control_bytes_down": 1,
             "versions": 1,
             "time_s": 1.0,
             "counts": {},

@@ -144,8 +144,12 @@ def main(args) -> int:
                 "time_to_target_s": time_to_target(s["evals"], args.target),
                 "final_eval": s["final_eval"],
                 "initial_eval": s["initial_eval"],
-                "bytes_up": s["bytes_up"] / clients,
-                "bytes_down": s["bytes_down"] / clients,
+                # per client: patches to and from the store plus Flower's messages (instructions
+                # down, replies up), which carry a few hundred bytes each way every round
+                "bytes_up": (s["bytes_up"] + s["control_bytes_up"]) / clients,
+                "bytes_down": (s["bytes_down"] + s["control_bytes_down"]) / clients,
+                "control_up": s["control_bytes_up"] / clients,
+                "control_down": s["control_bytes_down"] / clients,
                 "versions": s["versions"],
                 "virtual_s": s["time_s"],
                 "counts": s["counts"],
@@ -181,7 +185,7 @@ def main(args) -> int:
     plot(results, args.target, out.with_suffix(".png"))
     print(
         f"{'strategy':20} {'to target':>10} {'final':>6} {'kB up/client':>13} {'kB down/client':>15} "
-        f"{'speedup':>8} {'bytes x':>8}"
+        f"{'of which Flower msgs':>21} {'speedup':>8} {'bytes x':>8}"
     )
     for r in results:
         t = f"{r['time_to_target_s']:.1f}s" if r["time_to_target_s"] is not None else "never"
@@ -189,6 +193,7 @@ def main(args) -> int:
         print(
             f"{r['name']:20} {t:>10} {r['final_eval']:6.3f} {r['bytes_up'] / 1e3:13.0f} "
             f"{r['bytes_down'] / 1e3:15.0f} "
+            f"{r['control_up'] / 1e3:9.0f} up {r['control_down'] / 1e3:6.0f} down "
             f"{sp:>8} {r['bytes_ratio_vs_fedavg']:7.1f}x"
         )
     print(f"wrote {out} and {out.with_suffix('.png')}")
