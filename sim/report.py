@@ -126,6 +126,10 @@ def write_html(summary: dict, out: Path, images: list[str]) -> Path:
         ("time on the run's clock", f"{summary['time_s']:.1f} s"),
         ("wall time of the coordinator", f"{summary.get('wall_s', float('nan')):.0f} s"),
         ("bytes up / down", f"{summary['bytes_up'] / 1e6:.2f} MB / {summary['bytes_down'] / 1e6:.2f} MB"),
+        (
+            "Flower's messages up / down",
+            f"{summary['control_bytes_up'] / 1e6:.2f} MB / {summary['control_bytes_down'] / 1e6:.2f} MB",
+        ),
         ("updates", ", ".join(f"{k} {v}" for k, v in summary["counts"].items())),
     ]
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in figures)
