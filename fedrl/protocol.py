@@ -150,7 +150,7 @@ def split_instruction(instr: TrainInstruction) -> tuple[dict, dict]:
 
 def join_instruction(head: Mapping, settings: Mapping) -> TrainInstruction:
     """The whole instruction from a head and the settings the node holds (or was just sent)."""
-    fields = {k: v for k, v in InstructionHead.parse(head, "instruction").to_record().items()}
+    fields = InstructionHead.parse(head, "instruction").to_record()
     fields.pop("settings_id")
     return TrainInstruction.parse({**settings, **fields}, "instruction")
 
