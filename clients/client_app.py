@@ -31,6 +31,7 @@ from fedrl.protocol import (
     NO_UPLOAD,
     SETTINGS_UNKNOWN,
     HardwareProbe,
+    InstructionHead,
     TrainInstruction,
     TrainReport,
     join_instruction,
@@ -136,14 +137,14 @@ def node_runtime(node: NodeSettings):
 def read_instruction(content: RecordDict, state: RecordDict) -> TrainInstruction:
     """The whole instruction: its head, with the settings it carries (kept for the messages that
     will not) or the ones kept. ValueError (SETTINGS_UNKNOWN) when neither is the head's."""
-    head = content["instruction"]
+    head = InstructionHead.from_packed(content["instruction"], "instruction")  # malformed: an error reply
     if "settings" in content.config_records:
-        instr = join_instruction(head, content["settings"])  # malformed: an error reply
-        state["settings"] = ConfigRecord({**content["settings"], "settings_id": head["settings_id"]})
+        instr = join_instruction(head, content["settings"])
+        state["settings"] = ConfigRecord({**content["settings"], "settings_id": head.settings_id})
         return instr
     kept = dict(state.config_records.get("settings", {}))
-    if kept.pop("settings_id", None) != head.get("settings_id"):
-        raise ValueError(f"{SETTINGS_UNKNOWN}: this node does not hold settings {head.get('settings_id')}")
+    if kept.pop("settings_id", None) != head.settings_id:
+        raise ValueError(f"{SETTINGS_UNKNOWN}: this node does not hold settings {head.settings_id}")
     return join_instruction(head, kept)
 
 
@@ -211,7 +212,7 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
             record_status(node.state_dir, instr, report, holds_delta=new_state.pending is not None)
         if probe is not None:
             report = report.replace(hardware=probe.model_dump_json())
-        return Message(RecordDict({"report": ConfigRecord(report.to_record())}), reply_to=msg)
+        return Message(RecordDict({"report": ConfigRecord(report.to_packed())}), reply_to=msg)
 
     return app
 

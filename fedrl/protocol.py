@@ -1,7 +1,8 @@
 """The control-plane messages: what the coordinator asks of a client and what it reports.
 
-Both travel as flat Flower ConfigRecords and are validated by their schema on arrival, so a
-malformed message is refused with one clear line instead of crashing a thread later. They
+Both travel as flat Flower ConfigRecords (what is sent every round packed, by position) and are
+validated by their schema on arrival, so a malformed message is refused with one clear line
+instead of crashing a thread later. They
 carry what a real deployment has: assignments, versions, store references, measured
 timings. Nothing about simulated clients travels here (fedrl.sim wraps the apps instead).
 """
@@ -119,9 +120,9 @@ class TrainInstruction(LearnerSettings):
 
 
 class InstructionHead(Schema):
-    """What an instruction changes every round. The rest of it (the run's settings: learner, store,
-    credential, the coordinator's key, ~700 bytes) travels in a "settings" record only until a reply
-    shows the node holds them; `settings_id` names the settings the head goes with."""
+    """What an instruction changes every round, sent packed. The rest of it (the run's settings:
+    learner, store, credential, the coordinator's key, ~700 bytes) travels in a "settings" record
+    only until a reply shows the node holds them; `settings_id` names the settings the head goes with."""
 
     action: str
     block: int
@@ -141,21 +142,24 @@ def settings_id(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def split_instruction(instr: TrainInstruction) -> tuple[dict, dict]:
+def split_instruction(instr: TrainInstruction) -> tuple[InstructionHead, dict]:
     """The instruction as it travels: its head (round fields + settings id) and its settings."""
     record = instr.to_record()
     settings = {k: v for k, v in record.items() if k not in ROUND_FIELDS}
-    return {k: record[k] for k in ROUND_FIELDS} | {"settings_id": settings_id(settings)}, settings
+    head = InstructionHead(**{k: record[k] for k in ROUND_FIELDS}, settings_id=settings_id(settings))
+    return head, settings
 
 
-def join_instruction(head: Mapping, settings: Mapping) -> TrainInstruction:
-    """The whole instruction from a head and the settings the node holds (or was just sent)."""
-    fields = InstructionHead.parse(head, "instruction").to_record()
+def join_instruction(head: InstructionHead, settings: Mapping) -> TrainInstruction:
+    """The whole instruction from its head and the settings the node holds (or was just sent)."""
+    fields = head.to_record()
     fields.pop("settings_id")
     return TrainInstruction.parse({**settings, **fields}, "instruction")
 
 
 class TrainReport(Schema):
+    """A node's answer to an instruction, sent packed (every round: its size is the uplink's floor)."""
+
     upload_key: str  # "" when nothing was uploaded
     upload_block: int  # NO_UPLOAD when nothing was uploaded
     upload_base_version: int

@@ -7,6 +7,7 @@ bad field, so a wrong type anywhere is a clear error, never a traceback.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,3 +47,53 @@ class Schema(BaseModel):
     def replace(self, **changes):
         """A validated copy with `changes` applied."""
         return type(self).parse({**self.model_dump(), **changes})
+
+    # Packed records carry the fields by position, one list per type, behind a layout id: a
+    # message sent every round then costs a third of its named form on the wire, and a peer
+    # with another field list is refused by name instead of read wrong.
+    @classmethod
+    def layout(cls) -> str:
+        fields = ",".join(f"{n}:{PACKED_GROUPS[f.annotation]}" for n, f in cls.model_fields.items())
+        return hashlib.sha256(f"{cls.__name__}({fields})".encode()).hexdigest()[:8]
+
+    @classmethod
+    def pack(cls, fields: Mapping[str, Any]) -> dict:
+        """`fields` (every one of this schema's, as named) as a packed record; not validated, so a
+        test can pack what a dishonest peer would send."""
+        record: dict = {"layout": cls.layout()}
+        for name, info in cls.model_fields.items():
+            record.setdefault(PACKED_GROUPS[info.annotation], []).append(fields[name])
+        return record
+
+    def to_packed(self) -> dict:
+        return self.pack(self.model_dump())
+
+    @classmethod
+    def unpack(cls, record: Mapping[str, Any], what: str | None = None) -> dict:
+        """The named fields of a packed record (SchemaError when it is not one of this layout)."""
+        what = what or cls.__name__
+        if not isinstance(record, Mapping):
+            raise SchemaError(f"{what}: expected a packed record, got {type(record).__name__!r}")
+        if record.get("layout") != cls.layout():
+            got = record.get("layout")
+            raise SchemaError(f"{what}: layout {got!r} is not {cls.layout()!r} (another fedrl version?)")
+        groups = {g: record.get(g, []) for g in set(PACKED_GROUPS.values())}
+        if not all(isinstance(values, list) for values in groups.values()):
+            raise SchemaError(f"{what}: a packed record's groups are lists")
+        groups = {g: list(values) for g, values in groups.items()}
+        fields = {}
+        for name, info in cls.model_fields.items():
+            group = groups[PACKED_GROUPS[info.annotation]]
+            if not group:
+                raise SchemaError(f"{what}: too few values for layout {cls.layout()!r}")
+            fields[name] = group.pop(0)
+        if any(groups.values()) or set(record) - {"layout", *groups}:
+            raise SchemaError(f"{what}: more values than layout {cls.layout()!r} has")
+        return fields
+
+    @classmethod
+    def from_packed(cls, record: Mapping[str, Any], what: str | None = None):
+        return cls.parse(cls.unpack(record, what), what)
+
+
+PACKED_GROUPS = {int: "i", float: "f", str: "s"}  # a packed record's list of each field type

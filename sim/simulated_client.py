@@ -91,7 +91,7 @@ def simulated_client(msg: Message, context: Context, call_next) -> Message:
     del msg.content[STAMP]
     runtime = SimulatedRuntime(profile, stamp.clock == "virtual", stamp.step_s)
     try:
-        instr = InstructionHead.parse(msg.content["instruction"])  # what the round needs of it
+        instr = InstructionHead.from_packed(msg.content["instruction"])  # what the round needs of it
     except (KeyError, SchemaError):
         instr = None  # the real app answers a malformed message itself
     if instr is not None:

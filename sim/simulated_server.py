@@ -22,6 +22,7 @@ from fedrl.blocks import ALL_BLOCKS
 from fedrl.clock import RealClock
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.lora import build_adapter_model
+from fedrl.protocol import InstructionHead
 from fedrl.rollout import rollout, score
 from fedrl.schema import Schema, SchemaError
 from fedrl.sim.clock import VirtualClock
@@ -74,7 +75,7 @@ class SimulatedGrid:
 
     def push_messages(self, msgs):
         for m in msgs:
-            profile = self.profile(int(m.content["instruction"]["client_id"]))
+            profile = self.profile(InstructionHead.unpack(m.content["instruction"])["client_id"])
             stamp = Stamp(
                 profile=profile.to_json(), clock=self.sim.clock, step_s=self.step_s, now_s=self.clock.now()
             )

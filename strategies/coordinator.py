@@ -440,8 +440,8 @@ class Coordinator:
         """Send one instruction; its message id ("" and an error event if the SuperLink refused it)
         and its settings id. The run's settings go with it until a reply shows the node holds them."""
         head, settings = split_instruction(instr)
-        content = RecordDict({"instruction": ConfigRecord(head)})
-        if self.settings_held.get(node) != head["settings_id"]:
+        content = RecordDict({"instruction": ConfigRecord(head.to_packed())})
+        if self.settings_held.get(node) != head.settings_id:
             content["settings"] = ConfigRecord(settings)
         msg = Message(
             content, dst_node_id=node, message_type=MESSAGE_TYPE, ttl=ttl, group_id=str(self.version)
@@ -450,9 +450,9 @@ class Coordinator:
         ids = list(self.grid.push_messages([msg]))
         if not ids or not ids[0]:
             self.event("error", node=node, reason="message not accepted by the SuperLink")
-            return "", head["settings_id"]
+            return "", head.settings_id
         self.client_entry(node)["control_down"] += size + 2 + len(ids[0])  # + the id it was given
-        return ids[0], head["settings_id"]
+        return ids[0], head.settings_id
 
     def close_dispatch(self, msg_id: str) -> Dispatch | None:
         d = self.in_flight.pop(msg_id, None)
@@ -497,7 +497,7 @@ class Coordinator:
             )
             return
         try:
-            report = TrainReport.parse(reply.content["report"], "report")
+            report = TrainReport.from_packed(reply.content["report"], "report")
         except (KeyError, TypeError, SchemaError) as err:
             self.event(
                 "rejected",
@@ -742,7 +742,7 @@ class Coordinator:
             duration = self.cfg.deadline_s  # an error reply is noticed at the deadline
             if not reply.has_error():
                 try:
-                    duration = float(reply.content["report"]["duration_s"])
+                    duration = float(TrainReport.unpack(reply.content["report"])["duration_s"])
                 except (KeyError, TypeError, ValueError):
                     duration = 0.0  # malformed: handled (and rejected) as soon as it is due
             if not 0 <= duration <= self.cfg.deadline_s:  # NaN included

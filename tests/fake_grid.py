@@ -14,6 +14,7 @@ import json
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
+from fedrl.protocol import InstructionHead, TrainReport
 from fedrl.sim.local_grid import LocalGrid
 from fedrl.strategies.run_config import RunConfig
 
@@ -51,7 +52,7 @@ class FakeGrid(LocalGrid):
         as the node understood it."""
         if "settings" in msg.content.config_records:
             self.settings[node] = dict(msg.content["settings"])
-        whole = {**self.settings.get(node, {}), **msg.content["instruction"]}
+        whole = {**self.settings.get(node, {}), **InstructionHead.unpack(msg.content["instruction"])}
         self.sent.append((node, whole))
         if node not in self.present:
             return Message(
@@ -60,6 +61,17 @@ class FakeGrid(LocalGrid):
         reply = super().reply_to(node, msg)
         msg.content["instruction"] = ConfigRecord(whole)
         return self.script(node, msg, reply)
+
+
+def report_of(reply: Message) -> dict:
+    """A reply's report as named fields (it travels packed)."""
+    return TrainReport.unpack(reply.content["report"])
+
+
+def with_report(msg: Message, reply: Message, **changes) -> Message:
+    """The reply with its report's fields changed, unchecked: what a dishonest node would send."""
+    report = TrainReport.pack({**report_of(reply), **changes})
+    return Message(RecordDict({"report": ConfigRecord(report)}), reply_to=msg)
 
 
 def small_config(tmp_path, **changes) -> RunConfig:

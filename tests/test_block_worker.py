@@ -193,18 +193,16 @@ def test_an_instruction_travels_as_a_head_and_settings_the_node_keeps():
     instr = TrainInstruction.parse(_instruction(round=3, client_id=2, data_shards=4))
     head, settings = split_instruction(instr)
     assert join_instruction(head, settings) == instr
-    assert set(head) == {*ROUND_FIELDS, "settings_id"} and not set(settings) & set(ROUND_FIELDS)
-    later = split_instruction(instr.replace(round=4, version=9, block=1))[0]
-    assert later["settings_id"] == head["settings_id"]  # rounds change, the settings stay
-    assert split_instruction(instr.replace(lr=0.5))[0]["settings_id"] != head["settings_id"]
-    with pytest.raises(SchemaError, match="extra"):
-        join_instruction({**head, "extra": 1}, settings)
+    assert set(head.to_record()) == {*ROUND_FIELDS, "settings_id"} and not set(settings) & set(ROUND_FIELDS)
+    later = split_instruction(instr.replace(round=4, version=9, block=1))[0].to_packed()
+    assert later["s"][-1] == head.settings_id  # rounds change, the settings stay
+    assert split_instruction(instr.replace(lr=0.5))[0].settings_id != head.settings_id
 
     state = RecordDict()
-    first = RecordDict({"instruction": ConfigRecord(head), "settings": ConfigRecord(settings)})
+    first = RecordDict({"instruction": ConfigRecord(head.to_packed()), "settings": ConfigRecord(settings)})
     assert read_instruction(first, state) == instr
     assert read_instruction(RecordDict({"instruction": ConfigRecord(later)}), state).version == 9  # kept
-    other = split_instruction(instr.replace(lr=0.5))[0]
+    other = split_instruction(instr.replace(lr=0.5))[0].to_packed()
     with pytest.raises(ValueError, match=SETTINGS_UNKNOWN):
         read_instruction(RecordDict({"instruction": ConfigRecord(other)}), state)
     with pytest.raises(ValueError, match=SETTINGS_UNKNOWN):

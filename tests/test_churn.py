@@ -8,6 +8,7 @@ from fake_grid import FakeGrid, small_config
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedrl.clients.client_app import app as client_app
+from fedrl.protocol import InstructionHead
 from fedrl.sim.apps import client_app as simulated_client_app
 from fedrl.sim.simulated_server import SimConfig, run_simulated
 from fedrl.strategies.coordinator import run_coordinator
@@ -92,9 +93,10 @@ def test_a_lost_reply_is_given_up_at_the_wall_clock_watchdog_on_the_virtual_cloc
 
     class LosingGrid(FakeGrid):
         def push_messages(self, msgs):
+            heads = [InstructionHead.unpack(m.content["instruction"]) for m in msgs]  # as they travel
             ids = super().push_messages(msgs)
-            for m, i in zip(msgs, ids):
-                if m.metadata.dst_node_id == 3 and m.content["instruction"]["round"] == 2:
+            for m, head, i in zip(msgs, heads, ids):
+                if m.metadata.dst_node_id == 3 and head["round"] == 2:
                     self.replies.pop(i, None)  # this reply never comes
             return ids
 

@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from fake_grid import FakeGrid, small_config
+from fake_grid import FakeGrid, report_of, small_config, with_report
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 
 from fedrl.clients.client_app import app as client_app
@@ -36,12 +36,6 @@ def test_modes_reach_their_versions(tmp_path, mode, sync):
         assert overlap == 0  # download, compute, upload: one after another
 
 
-def _with_report(msg, reply, **changes):
-    record = dict(reply.content["report"])
-    record.update(changes)
-    return Message(RecordDict({"report": ConfigRecord(record)}), reply_to=msg)
-
-
 def test_dropouts_error_replies_and_malformed_replies_are_events_not_crashes(tmp_path):
     def script(node, msg, reply):
         if node == 3:  # gone: what the SuperLink synthesizes for an unavailable node
@@ -69,7 +63,7 @@ def test_nan_stale_and_misattributed_updates_are_rejected(tmp_path):
     def script(node, msg, reply):
         if reply.has_error():
             return reply
-        instr, report = msg.content["instruction"], reply.content["report"]
+        instr, report = msg.content["instruction"], report_of(reply)
         keys.setdefault(node, []).append(report["upload_key"])
         if node == 1:  # NaN: upload a poisoned patch of its block under its own credential
             held = grid.held(1)
@@ -82,11 +76,11 @@ def test_nan_stale_and_misattributed_updates_are_rejected(tmp_path):
                 encode_patch(base, poisoned, report["upload_base_version"], report["upload_base_version"])
             )
             store.close()
-            return _with_report(msg, reply, upload_key=key)
+            return with_report(msg, reply, upload_key=key)
         if node == 2:  # claims an upload of node 3's
-            return _with_report(msg, reply, upload_key=keys.get(3, [report["upload_key"]])[-1])
+            return with_report(msg, reply, upload_key=keys.get(3, [report["upload_key"]])[-1])
         if node == 3 and instr["version"] >= 1:  # claims to be based on a version far in the past
-            return _with_report(msg, reply, upload_base_version=0)
+            return with_report(msg, reply, upload_base_version=0)
         return reply
 
     grid = FakeGrid(3, client_app, script)
@@ -184,20 +178,20 @@ def test_a_dishonest_node_with_a_valid_credential_cannot_crash_the_coordinator(t
     def script(node, msg, reply):
         if reply.has_error():
             return reply
-        instr, report = msg.content["instruction"], reply.content["report"]
+        instr, report = msg.content["instruction"], report_of(reply)
         held = grid.held(node)
         base_version = report["upload_base_version"]
         if node == 1:  # the whole adapter, x100, reported as a whole-adapter upload in block mode
             key = upload(node, instr, {n: 100 * t for n, t in held.items()}, base_version)
-            return _with_report(msg, reply, upload_key=key, upload_block=-1)
+            return with_report(msg, reply, upload_key=key, upload_block=-1)
         if node == 2:  # its block with every matrix transposed, or shrunk to one element
             names = [n for n in held if f".layers.{report['upload_block']}." in n]
             odd = {
                 n: held[n].t().contiguous() if instr["version"] % 2 else held[n].reshape(-1)[:1]
                 for n in names
             }
-            return _with_report(msg, reply, upload_key=upload(node, instr, odd, base_version))
-        return _with_report(msg, reply, compute_s=5e-324, steps=1)  # node 3: impossibly fast
+            return with_report(msg, reply, upload_key=upload(node, instr, odd, base_version))
+        return with_report(msg, reply, compute_s=5e-324, steps=1)  # node 3: impossibly fast
 
     grid = FakeGrid(3, client_app, script)
     cfg = config(tmp_path, mode="block-sequential", sync=True, versions=3, stall_replies=12)
@@ -229,7 +223,7 @@ def test_an_upload_that_would_decompress_far_beyond_its_block_is_refused_unopene
         instr = msg.content["instruction"]
         store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
         try:
-            return _with_report(msg, reply, upload_key=store.put(bomb))
+            return with_report(msg, reply, upload_key=store.put(bomb))
         finally:
             store.close()
 
@@ -245,9 +239,9 @@ def test_a_node_claiming_more_samples_than_a_round_yields_is_rejected(tmp_path):
     """The sample count weights the mean: unbounded, one node claiming 10**9 owned it."""
 
     def script(node, msg, reply):
-        if reply.has_error() or node != 1 or not reply.content["report"]["upload_key"]:
+        if reply.has_error() or node != 1 or not report_of(reply)["upload_key"]:
             return reply
-        return _with_report(msg, reply, upload_samples=10**9)
+        return with_report(msg, reply, upload_samples=10**9)
 
     summary = run_coordinator(
         FakeGrid(3, client_app, script), config(tmp_path, mode="block-sequential", sync=True, versions=2)
@@ -267,9 +261,9 @@ def test_an_update_far_beyond_its_peers_norms_is_refused_not_clipped_in(tmp_path
     grid = None
 
     def script(node, msg, reply):
-        if reply.has_error() or node != 1 or not reply.content["report"]["upload_key"]:
+        if reply.has_error() or node != 1 or not report_of(reply)["upload_key"]:
             return reply
-        instr, report = msg.content["instruction"], reply.content["report"]
+        instr, report = msg.content["instruction"], report_of(reply)
         held = grid.held(1)
         names = [n for n in held if f".layers.{report['upload_block']}." in n]
         base = {n: held[n].float() for n in names}
@@ -282,7 +276,7 @@ def test_an_update_far_beyond_its_peers_norms_is_refused_not_clipped_in(tmp_path
             )
         finally:
             store.close()
-        return _with_report(msg, reply, upload_key=key)
+        return with_report(msg, reply, upload_key=key)
 
     grid = FakeGrid(4, client_app, script)
     cfg = config(tmp_path, mode="block-sequential", sync=True, versions=4, reputation=True)
@@ -344,9 +338,9 @@ def test_an_update_made_on_an_old_state_and_labelled_with_the_current_base_is_re
     grid, first_held = None, {}
 
     def script(node, msg, reply):
-        if reply.has_error() or node != 1 or not reply.content["report"]["upload_key"]:
+        if reply.has_error() or node != 1 or not report_of(reply)["upload_key"]:
             return reply
-        instr, report = msg.content["instruction"], reply.content["report"]
+        instr, report = msg.content["instruction"], report_of(reply)
         held = grid.held(1)
         first_held.setdefault("v0", {k: v.clone() for k, v in held.items()})
         if instr["version"] < 3:
@@ -362,7 +356,7 @@ def test_an_update_made_on_an_old_state_and_labelled_with_the_current_base_is_re
             )
         )
         store.close()
-        return _with_report(msg, reply, upload_key=key)
+        return with_report(msg, reply, upload_key=key)
 
     grid = FakeGrid(3, client_app, script)
     summary = run_coordinator(grid, config(tmp_path, mode="block-sequential", sync=True, versions=6))

@@ -15,7 +15,7 @@ from fedrl.sim.simulated_client import STAMP, Stamp, simulated_client
 # the head of an instruction: what the mod reads (the settings travel beside it, for the app)
 INSTRUCTION = split_instruction(
     TrainInstruction.parse(instruction_record(client_id=3, data_shards=4, round=1))
-)[0]
+)[0].to_packed()
 
 
 def _message(profile: dict) -> Message:

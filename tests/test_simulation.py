@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from fedrl.protocol import InstructionHead
+
 pytestmark = pytest.mark.slow
 
 
@@ -23,7 +25,7 @@ class ChurnView:
     def push_messages(self, msgs):
         for m in msgs:
             self.client_ids.setdefault(m.metadata.dst_node_id, set()).add(
-                m.content["instruction"]["client_id"]
+                InstructionHead.unpack(m.content["instruction"])["client_id"]
             )
         return self.grid.push_messages(msgs)
 
