@@ -12,6 +12,10 @@ across zero is small too. Multi-byte arrays travel as byte planes, which zstd sq
 
 Wire format:  b"FRLP" | format u8 | body length u64 LE | zstd frame (with checksum) of
               header length u32 LE | header JSON | sections
+The frame is compressed against a small built-in dictionary of the header's own words (a zstd
+raw-content dictionary): a patch of a few hundred changes is mostly header, and its keys and
+encodings then cost a reference instead of their letters (about 100 bytes of a 900-byte
+upload). Small bodies take zstd's strongest level, which costs microseconds at their size.
 The header names base and target versions and BLAKE3 state hashes, and per carried tensor
 its encoding, count and section sizes (the sections follow one another in header order).
 An anchor (full sync) is a patch whose base is empty: every tensor dense, with its name,
@@ -37,7 +41,7 @@ import torch
 import zstandard
 
 MAGIC = b"FRLP"
-FORMAT_VERSION = 3  # 3: only changed tensors, by position, with section sizes (2: ulp keys, BLAKE3)
+FORMAT_VERSION = 4  # 4: the header dictionary (3: only changed tensors, by position; 2: ulp keys, BLAKE3)
 _PREFIX = struct.Struct("<4sBQ")  # magic, format version, compressed body length
 EMPTY_HASH = blake3.blake3(b"fedrl-empty-state").hexdigest()
 
@@ -55,6 +59,44 @@ _BITS = {
 }
 _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in _BITS}
 _WIDTHS = (np.uint8, np.uint16, np.uint32, np.uint64)
+
+# What headers say over and over, in the words and order encode_patch writes them. Part of the
+# format: changing it changes FORMAT_VERSION.
+_HEADER_WORDS = zstandard.ZstdCompressionDict(
+    (
+        '{"format":4,"base_version":null,"base_hash":"","target_version":0,"target_hash":"","tensors":['
+        '{"name":"","shape":[],"dtype":"bfloat16","mode":"dense","count":0,"sizes":[0]},'
+        '{"at":0,"mode":"dense","count":0,"sizes":[0]},'
+        + "".join(
+            f'{{"at":1,"mode":"sparse","count":1,"index_width":"{index}","values_as":"{kind}",'
+            f'"value_width":"{width}","sizes":[1,0,1,0]}},'
+            for index in ("uint16", "uint8")
+            for kind, width in (
+                ("sign", "bit"),
+                ("delta", "uint8"),
+                ("delta", "uint16"),
+                ("raw", "uint16"),
+                ("raw", "uint32"),
+            )
+        )
+    ).encode(),
+    dict_type=zstandard.DICT_TYPE_RAWCONTENT,
+)
+SMALL_BODY = 1 << 16  # bodies up to this size compress at zstd's strongest level
+
+
+def compress_body(body: bytes, level: int | None = None, declared: bool = True) -> bytes:
+    """A patch body as its zstd frame (checksummed; `declared`: with its size, which readers require)."""
+    level = level if level is not None else (19 if len(body) <= SMALL_BODY else 1)
+    compressor = zstandard.ZstdCompressor(
+        level=level, dict_data=_HEADER_WORDS, write_checksum=True, write_content_size=declared
+    )
+    return compressor.compress(body)
+
+
+def decompress_body(frame: bytes, max_output_size: int) -> bytes:
+    decompressor = zstandard.ZstdDecompressor(dict_data=_HEADER_WORDS)
+    return decompressor.decompress(frame, max_output_size=max_output_size)
 
 
 class PatchError(ValueError):
@@ -320,11 +362,12 @@ def encode_patch(
     new: Mapping[str, torch.Tensor],
     base_version: int | None,
     target_version: int,
-    level: int = 1,
+    level: int | None = None,
     base_hash: str | None = None,
     target_hash: str | None = None,
 ) -> bytes:
-    """Patch from `base` (None: an anchor) to `new`. Pass known hashes to skip re-hashing."""
+    """Patch from `base` (None: an anchor) to `new`. Pass known hashes to skip re-hashing; `level`:
+    zstd's (None: by the body's size)."""
     base = base or {}
     if base and set(base) != set(new):
         raise TensorMismatch(f"base and new name different tensors: {sorted(set(base) ^ set(new))[:3]}")
@@ -351,7 +394,7 @@ def encode_patch(
     }
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     body = b"".join([struct.pack("<I", len(header_bytes)), header_bytes, *sections])
-    frame = zstandard.ZstdCompressor(level=level, write_checksum=True).compress(body)
+    frame = compress_body(body, level)
     return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(frame)) + frame
 
 
@@ -408,7 +451,7 @@ def _open(patch: bytes, limits: PatchLimits) -> tuple[PatchHeader, memoryview]:
             f"patch body would decompress to {declared} bytes (limit {limits.max_body_bytes})"
         )
     try:
-        body = zstandard.ZstdDecompressor().decompress(frame, max_output_size=declared)
+        body = decompress_body(frame, max_output_size=declared)
     except zstandard.ZstdError as err:
         raise CorruptPatch(f"patch body does not decompress: {err}") from None
     if len(body) != declared or len(body) < 4:

@@ -98,7 +98,7 @@ class PatchPublisher:
         self,
         anchor_every: int = 10,
         keep_recent: int = 8,
-        level: int = 1,
+        level: int | None = None,  # zstd level (None: by body size)
         keep_anchors: int = 2,
         keep_held: int = 8,
     ):

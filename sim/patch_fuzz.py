@@ -27,6 +27,8 @@ from fedrl.patch import (
     PatchError,
     PatchLimits,
     apply_patch,
+    compress_body,
+    decompress_body,
     encode_patch,
     read_header,
     to_bits,
@@ -47,12 +49,12 @@ def bits_equal(a: dict, b: dict) -> bool:
 
 
 def body_of(patch: bytes) -> bytes:
-    return zstandard.ZstdDecompressor().decompress(patch[PREFIX.size :])
+    return decompress_body(patch[PREFIX.size :], max_output_size=1 << 30)
 
 
 def rewrap(body: bytes, declared: bool = True) -> bytes:
     """A body behind a fresh, valid frame and checksum (so only the codec's own checks stand)."""
-    frame = zstandard.ZstdCompressor(level=1, write_checksum=True, write_content_size=declared).compress(body)
+    frame = compress_body(body, declared=declared)
     return PREFIX.pack(b"FRLP", FORMAT_VERSION, len(frame)) + frame
 
 

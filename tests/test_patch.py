@@ -245,3 +245,17 @@ def test_a_one_percent_one_ulp_bf16_update_costs_under_eleven_bits_a_change():
     patch = encode_patch(base, new, 0, 1)
     assert bits_equal(apply_patch(base, patch), new)
     assert 8 * len(patch) / idx.size < 11
+
+
+def test_a_small_patch_is_mostly_header_and_the_header_dictionary_pays_for_it():
+    """14 tensors with a few changes each (a top-1% upload of one block): its header words cost a
+    reference to the built-in dictionary, not their letters, and it still applies exactly."""
+    g = torch.Generator().manual_seed(0)
+    base = {f"layer.{i}.lora_{ab}": torch.randn(8, 64, generator=g) for i in range(7) for ab in "AB"}
+    new = {n: t.clone() for n, t in base.items()}
+    for t in new.values():
+        t.view(-1)[torch.randperm(t.numel(), generator=g)[:6]] += 1e-3
+    patch = encode_patch(base, new, 3, 4)
+    assert bits_equal(apply_patch(base, patch), new)
+    plain = zstandard.ZstdCompressor(level=19, write_checksum=True).compress(body_of(patch))
+    assert len(patch) - 13 < len(plain) - 60, (len(patch), len(plain))
