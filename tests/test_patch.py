@@ -1,4 +1,6 @@
+import json
 import struct
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fedrl.patch
 from fedrl.patch import (
     FORMAT_VERSION,
     BaseMismatch,
@@ -19,6 +22,7 @@ from fedrl.patch import (
     TruncatedPatch,
     UnknownFormat,
     apply_patch,
+    encode_indices,
     encode_patch,
     ordered,
     read_header,
@@ -245,6 +249,7 @@ def test_a_one_percent_one_ulp_bf16_update_costs_under_eleven_bits_a_change():
     patch = encode_patch(base, new, 0, 1)
     assert bits_equal(apply_patch(base, patch), new)
     assert 8 * len(patch) / idx.size < 11
+    assert read_header(patch).tensors[0]["mode"] == "sparse"  # changes that ignore size: no near tier
 
 
 def test_a_small_patch_is_mostly_header_and_the_header_dictionary_pays_for_it():
@@ -259,3 +264,129 @@ def test_a_small_patch_is_mostly_header_and_the_header_dictionary_pays_for_it():
     assert bits_equal(apply_patch(base, patch), new)
     plain = zstandard.ZstdCompressor(level=19, write_checksum=True).compress(body_of(patch))
     assert len(patch) - 13 < len(plain) - 60, (len(patch), len(plain))
+
+
+# ------------------------------------------------------------------ the near tier (format 5)
+
+
+def optimizer_step(n: int, step: float, seed: int = 0) -> tuple[dict, dict]:
+    """bf16 casts of an fp32 master before and after a step of fixed size (Adam-like): small
+    weights cross many bf16 ulps, large ones rarely one."""
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g) * 0.02
+    return {"w": master.bfloat16()}, {"w": (master + step * torch.randn(n, generator=g).sign()).bfloat16()}
+
+
+def test_an_optimizer_step_goes_tiered_and_costs_less_than_gaps_alone():
+    base, new = optimizer_step(1 << 18, 3e-7)  # ~98.5% of the bf16 values unchanged
+    patch = encode_patch(base, new, 0, 1)
+    entry = read_header(patch).tensors[0]
+    assert entry["mode"] == "tiered" and entry["below"] > 0
+    assert bits_equal(apply_patch(base, patch), new)
+    with mock.patch.object(fedrl.patch, "choose_near_tier", return_value=0):
+        gaps_only = encode_patch(base, new, 0, 1)
+    assert read_header(gaps_only).tensors[0]["mode"] == "sparse"
+    assert len(patch) < 0.9 * len(gaps_only), (len(patch), len(gaps_only))
+
+
+@st.composite
+def tiered_case(draw):
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]))
+    n = draw(st.integers(1, 3000))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    master = torch.randn(n, generator=g, dtype=torch.float64) * draw(st.sampled_from([1e-4, 0.02, 1.0]))
+    moved = master + draw(st.sampled_from([1e-7, 1e-4, 0.1])) * torch.randn(
+        n, generator=g, dtype=torch.float64
+    )
+    if draw(st.booleans()):  # NaN payloads, signed zeros, infinities on either side
+        specials = torch.tensor([float("nan"), -0.0, 0.0, float("inf"), -float("inf")], dtype=torch.float64)
+        where = torch.rand(n, generator=g) < 0.05
+        moved = torch.where(where, specials[torch.randint(0, 5, (n,), generator=g)], moved)
+    base, new = {"w": master.to(dtype)}, {"w": moved.to(dtype)}
+    exponent_bits = {torch.bfloat16: 8, torch.float16: 5, torch.float32: 8, torch.float64: 11}[dtype]
+    return base, new, draw(st.integers(1, 2**exponent_bits - 1))
+
+
+@settings(max_examples=120, deadline=None)
+@given(tiered_case())
+def test_any_near_tier_is_bit_identical(case):
+    base, new, below = case
+    with mock.patch.object(fedrl.patch, "choose_near_tier", return_value=below):
+        patch = encode_patch(base, new, 0, 1)
+    assert bits_equal(apply_patch(base, patch), new)
+    entries = read_header(patch).tensors
+    assert not entries or entries[0]["mode"] in ("tiered", "dense")
+
+
+def tiered_patch(base: torch.Tensor, below: int, near_flags: bytes, far: list[int], count: int) -> bytes:
+    """A hand-made tiered patch of one bf16 tensor of positive values: every change one ulp down."""
+    index, width, escapes = encode_indices(np.array(far, dtype=np.int64))
+    near_changes = count - len(far)
+    sections = [
+        near_flags,
+        index,
+        escapes,
+        bytes((len(far) + 7) // 8),  # far direction bits: all down
+        b"",
+        bytes((max(near_changes, 0) + 7) // 8),  # near direction bits: all down
+        b"",
+    ]
+    entry = {
+        "at": 0,
+        "mode": "tiered",
+        "count": count,
+        "below": below,
+        "index_width": width,
+        "values_as": "sign",
+        "value_width": "bit",
+        "near_as": "sign",
+        "near_width": "bit",
+        "sizes": [len(s) for s in sections],
+    }
+    down = base.clone()
+    bits = down.view(torch.int16)
+    bits[far] -= 1
+    near = [i for i in range(base.numel()) if abs(float(base[i])) < 2.0 ** (below - 127)]
+    flagged = np.unpackbits(np.frombuffer(near_flags, np.uint8), bitorder="little")[: len(near)]
+    bits[[i for i, f in zip(near, flagged) if f]] -= 1
+    header = {
+        "format": FORMAT_VERSION,
+        "base_version": 0,
+        "base_hash": state_hash({"w": base}),
+        "target_version": 1,
+        "target_hash": state_hash({"w": down}),
+        "tensors": [entry],
+    }
+    raw = json.dumps(header).encode()
+    return rewrap(struct.pack("<I", len(raw)) + raw + b"".join(sections)), down
+
+
+def test_a_hand_made_tiered_patch_applies_and_each_inconsistency_is_refused():
+    # values 0-4 are under 2^-10 (exponent field < 117): the near tier, 5 flag bits; 5-15 are far
+    base = torch.tensor([1e-4] * 5 + [0.5] * 11, dtype=torch.bfloat16)
+    patch, target = tiered_patch(base, 117, bytes([0b00101]), [9, 12], 4)
+    assert bits_equal(apply_patch({"w": base}, patch), {"w": target})  # the hand-made form is right
+    refused = {
+        "lies in the near tier": tiered_patch(base, 117, bytes([0b00101]), [3, 12], 4),
+        "flag bytes": tiered_patch(base, 117, bytes([0b00101, 0]), [9, 12], 4),
+        "flag bits set past": tiered_patch(base, 117, bytes([0b10000101]), [9, 12], 4),
+        "near changes, header says": tiered_patch(base, 117, bytes([0b11111]), [9], 4),
+    }
+    for reason, (bad, _) in refused.items():
+        with pytest.raises(CorruptPatch, match=reason):
+            apply_patch({"w": base}, bad)
+
+
+def test_a_near_tier_is_only_for_floats_and_their_own_exponents():
+    base, new = optimizer_step(1 << 16, 3e-7)
+    patch = encode_patch(base, new, 0, 1)
+    assert read_header(patch).tensors[0]["mode"] == "tiered"
+
+    def edit(header):
+        header["tensors"][0]["below"] = 256  # bfloat16's exponent field stops at 255
+
+    with pytest.raises(CorruptPatch, match="no exponent 256"):
+        apply_patch(base, with_header(patch, edit))
+    as_ints = {"w": base["w"].view(torch.int16)}
+    with pytest.raises(CorruptPatch, match="int16 tensor has no exponent"):
+        apply_patch(as_ints, patch, base_hash=read_header(patch).base_hash)

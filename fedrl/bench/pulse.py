@@ -20,7 +20,7 @@ from fedrl.bench.common import write_json
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.lora import LoraSettings, add_lora
 from fedrl.models import load_model
-from fedrl.patch import apply_patch, encode_patch, state_hash, to_bits
+from fedrl.patch import apply_patch, encode_patch, read_header, state_hash, to_bits
 from fedrl.rollout import rollout, score
 from fedrl.tasks import AdditionTask, ReversalTask
 
@@ -66,10 +66,11 @@ def measure(name: str, lr: float, k: int, traj: list[dict], level: int, timed: b
     }
     unchanged = [p for p in pairs if changes[p] == 0]
     pairs = [p for p in pairs if changes[p] > 0]
-    sparsity, patch_bytes, zstd_bytes, coo_bytes, identical, speeds = [], [], [], [], True, []
+    sparsity, patch_bytes, zstd_bytes, coo_bytes, identical, speeds, tiered = [], [], [], [], True, [], []
     for a, b in pairs:
         base, new, changed = traj[a], traj[b], changes[(a, b)]
         patch = encode_patch(base, new, a, b, level=level)
+        tiered.append(sum(e["mode"] == "tiered" for e in read_header(patch).tensors))
         identical &= state_hash(apply_patch(base, patch)) == state_hash(new)
         sparsity.append(1 - changed / numel)
         patch_bytes.append(len(patch))
@@ -98,8 +99,16 @@ def measure(name: str, lr: float, k: int, traj: list[dict], level: int, timed: b
         "ratio_raw_coo": dense / float(np.mean(coo_bytes)),
         "bit_identical": bool(identical),
         "per_pair": [
-            {"from": a, "to": b, "sparsity": sp, "ratio": dense / size, **speed}
-            for (a, b), sp, size, speed in zip(pairs, sparsity, patch_bytes, speeds)
+            {
+                "from": a,
+                "to": b,
+                "sparsity": sp,
+                "ratio": dense / size,
+                "bits_per_change": 8 * size / changes[(a, b)],
+                "tiered_tensors": n_tiered,
+                **speed,
+            }
+            for (a, b), sp, size, n_tiered, speed in zip(pairs, sparsity, patch_bytes, tiered, speeds)
         ],
     }
     case.update({key: float(np.median([s[key] for s in speeds])) for key in speeds[0]})
@@ -108,9 +117,11 @@ def measure(name: str, lr: float, k: int, traj: list[dict], level: int, timed: b
 
 def throughput(base: dict, new: dict, level: int, dense: int, repeats: int = 3) -> dict:
     """MB/s of dense model bytes on one thread; hashes of held states are known, as in use.
-    Beside a warm memcpy, a copy into fresh memory (what any apply that returns new tensors
-    pays at least) and the state hash alone."""
-    base_hash = state_hash(base)
+    Encoding hashes the new state unless its hash is known too (`encode_known_mb_s`: a
+    publisher's patches from its retained versions to a version it has hashed once). Beside a
+    warm memcpy, a copy into fresh memory (what any apply that returns new tensors pays at
+    least) and the state hash alone (what any apply that verifies its result pays)."""
+    base_hash, target_hash = state_hash(base), state_hash(new)
     targets = {n: torch.empty_like(t) for n, t in new.items()}
     for t in targets.values():
         t.fill_(1)  # warm the destination pages
@@ -126,6 +137,9 @@ def throughput(base: dict, new: dict, level: int, dense: int, repeats: int = 3) 
     patch = encode_patch(base, new, 0, 1, level=level, base_hash=base_hash)
     return {
         "encode_mb_s": best(lambda: encode_patch(base, new, 0, 1, level=level, base_hash=base_hash)),
+        "encode_known_mb_s": best(
+            lambda: encode_patch(base, new, 0, 1, level=level, base_hash=base_hash, target_hash=target_hash)
+        ),
         "decode_mb_s": best(lambda: apply_patch(base, patch, base_hash=base_hash)),
         "memcpy_mb_s": best(lambda: [targets[n].copy_(t) for n, t in new.items()]),
         "fresh_copy_mb_s": best(lambda: [t.clone() for t in new.values()]),
@@ -183,7 +197,8 @@ def add_arguments(parser) -> None:
 def table(cases: list[dict]) -> str:
     head = (
         f"{'case':20} {'lr':>7} {'k':>3} {'sparsity':>9} {'ratio':>8} {'zstd':>6} {'coo':>7} "
-        f"{'enc MB/s':>9} {'dec MB/s':>9} {'memcpy':>8} {'enc/cpy':>7} {'dec/cpy':>7} {'exact':>6}"
+        f"{'enc MB/s':>9} {'dec MB/s':>9} {'memcpy':>8} {'enc/cpy':>7} {'enc*/cpy':>8} {'dec/cpy':>7} "
+        f"{'hash/cpy':>8} {'exact':>6}"
     )
     rows = [head]
     for c in (c for c in cases if c["pairs"]):
@@ -192,7 +207,8 @@ def table(cases: list[dict]) -> str:
             f"{c['name']:20} {c['lr']:7.0e} {c['k']:3d} {100 * c['sparsity']:8.2f}% {c['ratio']:8.1f} "
             f"{c['ratio_zstd_dense']:6.2f} {c['ratio_raw_coo']:7.1f} {c.get('encode_mb_s', 0):9.0f} "
             f"{c.get('decode_mb_s', 0):9.0f} {c.get('memcpy_mb_s', 0):8.0f} "
-            f"{c.get('encode_mb_s', 0) / copy:7.2f} {c.get('decode_mb_s', 0) / copy:7.2f} "
+            f"{c.get('encode_mb_s', 0) / copy:7.2f} {c.get('encode_known_mb_s', 0) / copy:8.2f} "
+            f"{c.get('decode_mb_s', 0) / copy:7.2f} {c.get('hash_mb_s', 0) / copy:8.2f} "
             f"{str(c['bit_identical']):>6}"
         )
     return "\n".join(rows)
