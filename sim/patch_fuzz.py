@@ -68,8 +68,8 @@ def with_header(patch: bytes, edit: Callable[[dict], None]) -> bytes:
 
 
 def cases() -> list[tuple[dict | None, int | None, bytes, dict, int]]:
-    """(base, base_version, patch, target, target_version): a delta (one tensor of it tiered), an
-    anchor, another delta."""
+    """(base, base_version, patch, target, target_version): a delta (one tensor of it tiered,
+    one with Rice-coded gaps), an anchor, another delta."""
     g = torch.Generator().manual_seed(1)
     v0 = {
         "a": torch.randn(40, 30, generator=g).bfloat16(),
@@ -79,8 +79,11 @@ def cases() -> list[tuple[dict | None, int | None, bytes, dict, int]]:
     }
     master = torch.randn(1 << 14, generator=g) * 0.02  # an optimizer step on it goes tiered
     v0["e"] = master.bfloat16()
+    v0["f"] = torch.randn(1 << 16, generator=g).bfloat16()
     v1 = {k: v.clone() for k, v in v0.items()}
     v1["e"] = (master + 3e-7 * torch.randn(master.shape, generator=g).sign()).bfloat16()
+    spread = torch.randperm(1 << 16, generator=g)[:1100]  # evenly spread changes: Rice-coded gaps
+    v1["f"].view(torch.int16)[spread] += 1
     v1["a"].view(torch.int16).view(-1)[::13] += 1
     v1["b"].view(torch.int16)[::3] -= 2
     v1["b"][0] = float("nan")
