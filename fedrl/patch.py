@@ -610,25 +610,23 @@ def _encode_changes(
     """A changed tensor as "sparse" (gaps and values) or "tiered" (near flags, then the same)."""
     below = choose_near_tier(base_bits, idx, dtype)
     entry: dict = {"mode": "tiered" if below else "sparse", "count": int(idx.size)}
-    near_parts = []
     if below:
+        entry["below"] = below
         near = near_positions(base_bits, dtype, below)
         moved = base_bits[near] != new_bits[near]
-        near_changed, far = near[moved], idx[~is_near(base_bits[idx], dtype, below)]
+        flags = np.packbits(moved, bitorder="little").tobytes()
         near_as, near_width, near_values, near_escapes = encode_values(
-            base_bits[near_changed], new_bits[near_changed], True
+            base_bits[near[moved]], new_bits[near[moved]], True
         )
-        entry.update(below=below)
-        near_parts = [np.packbits(moved, bitorder="little").tobytes(), near_values, near_escapes]
-        idx = far
+        idx = idx[~is_near(base_bits[idx], dtype, below)]  # the far changes, as gaps
     index, index_width, index_escapes = encode_indices(idx)
     kind, width, values, escapes = encode_values(base_bits[idx], new_bits[idx], dtype.is_floating_point)
     entry.update(index_width=index_width, values_as=kind, value_width=width)
-    if below:
-        entry.update(near_as=near_as, near_width=near_width)
-        # the order of _SECTIONS["tiered"]
-        return entry, [near_parts[0], index, index_escapes, values, escapes, *near_parts[1:]]
-    return entry, [index, index_escapes, values, escapes]  # the order of _SECTIONS["sparse"]
+    sparse = [index, index_escapes, values, escapes]  # the order of _SECTIONS
+    if not below:
+        return entry, sparse
+    entry.update(near_as=near_as, near_width=near_width)
+    return entry, [flags, *sparse, near_values, near_escapes]
 
 
 # ---------------------------------------------------------------- decode
@@ -675,18 +673,11 @@ def _open(patch: bytes, limits: PatchLimits) -> tuple[PatchHeader, memoryview]:
     return _check_header(raw), memoryview(body)[4 + hlen :]
 
 
+_SPARSE_SECTIONS = ("index", "index_escapes", "values", "value_escapes")
 _SECTIONS = {
     "dense": ("values",),
-    "sparse": ("index", "index_escapes", "values", "value_escapes"),
-    "tiered": (
-        "near_flags",
-        "index",
-        "index_escapes",
-        "values",
-        "value_escapes",
-        "near_values",
-        "near_escapes",
-    ),
+    "sparse": _SPARSE_SECTIONS,
+    "tiered": ("near_flags", *_SPARSE_SECTIONS, "near_values", "near_escapes"),  # sparse, plus the near tier
 }
 _WIDTH_NAMES = {np.dtype(w).name for w in _WIDTHS}
 _VALUE_FORMS = {("sign", "bit")} | {(kind, width) for kind in ("delta", "raw") for width in _WIDTH_NAMES}
@@ -749,10 +740,9 @@ def _check_header(raw) -> PatchHeader:
                 e["mode"] != "tiered"
                 or (
                     (str(e.get("near_as")), str(e.get("near_width"))) in _VALUE_FORMS
+                    # below float64's widest exponent field; the dtype's own is checked with its sections
                     and _is_int(e.get("below"))
-                    and 0
-                    < e["below"]
-                    < 2**11  # the widest exponent field (float64); the dtype's is checked later
+                    and 0 < e["below"] < 2**11
                 )
             )
         )
