@@ -69,6 +69,7 @@ from fedrl.strategies.aggregation import (
     rejection_reason,
 )
 from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_checkpoints
+from fedrl.strategies.direction import DirectionCheck
 from fedrl.strategies.gate import VerificationGate
 from fedrl.strategies.membership import Membership
 from fedrl.strategies.reputation import Reputation
@@ -162,6 +163,11 @@ class Coordinator:
         self.gate = (
             VerificationGate(self.adapter, self.task, cfg.gate_probe, cfg.gate_tolerance, cfg.seed)
             if cfg.gate_probe
+            else None
+        )
+        self.direction = (
+            DirectionCheck(self.adapter, self.task, cfg.direction_probe, cfg.direction_threshold, cfg.seed)
+            if cfg.direction_probe
             else None
         )
         self.reputation = Reputation()
@@ -302,6 +308,7 @@ class Coordinator:
             "evals": self.evals,
             "recent_norms": list(self.recent_norms),
             "reputation": self.reputation.state_dict(),
+            "direction": self.direction.state_dict() if self.direction else {},
             "rounds": {str(node): n for node, n in self.rounds.items()},  # seeds of clients' sampling
             "config": self.cfg.model_dump(),
         }
@@ -329,6 +336,8 @@ class Coordinator:
         if isinstance(meta.get("recent_norms"), list):
             self.recent_norms.extend(float(n) for n in meta["recent_norms"])
         self.reputation.load_state_dict(meta.get("reputation", {}))
+        if self.direction:
+            self.direction.load_state_dict(meta.get("direction", {}))
         # a node's round numbers seed its sampling: restarting them would replay the same prompts
         self.rounds = {int(node): int(n) for node, n in meta.get("rounds", {}).items()}
         self.event("resumed", from_version=version)
@@ -653,9 +662,14 @@ class Coordinator:
                     f"it names: applied to that base it would move the block back toward version {older} "
                     "(as an update made on an older state and labelled newer does)",
                 )
+            if self.direction:
+                cosine, z, reason = self.direction.check(client, self.version, self.global_state, delta)
+                probe = {"cosine": round(cosine, 4)} | ({} if z is None else {"evidence": round(z, 3)})
+                if reason:
+                    raise Rejected("direction", reason)
             if self.gate:
                 before, after, reason = self.gate.check(self.version, self.global_state, delta)
-                probe = {"probe_before": round(before, 4), "probe_after": round(after, 4)}
+                probe |= {"probe_before": round(before, 4), "probe_after": round(after, 4)}
                 if reason:
                     raise Rejected("gate", reason)
         except (StoreError, PatchError, ValueError) as err:
@@ -663,7 +677,7 @@ class Coordinator:
             if isinstance(err, (StoreError, PatchError)):
                 cause = "store" if isinstance(err, StoreError) else "patch"
             self.reputation.record(client, accepted=False, cause=cause)
-            fields = probe if cause == "gate" else {}
+            fields = probe if cause in ("gate", "direction") else {}
             self.event("rejected", ("rejected",), node=node, cause=cause, reason=str(err)[:300], **fields)
             return
         finally:
@@ -874,6 +888,9 @@ class Coordinator:
             "clients": {str(k): v for k, v in self.clients.items()},
             "gate": {"updates_scored": self.gate.scored, "cpu_s": round(self.gate.cpu_s, 3)}
             if self.gate
+            else None,
+            "direction": {"references": self.direction.computed, "cpu_s": round(self.direction.cpu_s, 3)}
+            if self.direction
             else None,
             "reputation": {str(k): round(self.reputation.weight(k), 4) for k in self.members.ids.values()},
             "events": self.events,

@@ -45,6 +45,10 @@ class RunConfig(Schema):
     # verification gate: score each update on this many probe problems before merging it; 0: off
     gate_probe: int = 0
     gate_tolerance: float = 0.05  # refuse an update that lowers the probe's mean reward by more than this
+    # direction check: refuse the updates of a client whose updates, over the rounds, point away from
+    # the gradient of the reference answers' log-prob on this many probe problems; 0: off ...
+    direction_probe: int = 0
+    direction_threshold: float = 1.5  # ... while its z (mean cosine * sqrt(n) / spread) is below -this
     reputation: bool = False  # weight each client's updates by its record of accepted and refused ones
     deadline_s: float = 300.0  # a round's deadline on the run's clock (stragglers past it are cut)
     watchdog_s: float = (
@@ -85,6 +89,7 @@ class RunConfig(Schema):
         if min(self.versions, self.buffer_size, self.min_nodes, self.eval_every, self.num_blocks) < 1:
             raise ValueError("versions, buffer_size, min_nodes, eval_every and num_blocks must be >= 1")
         nonnegative = ["max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"]
+        nonnegative += ["direction_probe", "direction_threshold"]
         nonnegative += ["final_eval_size", "micro_batch"]
         if min(getattr(self, name) for name in nonnegative) < 0:
             raise ValueError(f"{', '.join(nonnegative)} must be >= 0")

@@ -290,6 +290,58 @@ def test_an_update_far_beyond_its_peers_norms_is_refused_not_clipped_in(tmp_path
     assert summary["reputation"][client] < 0.5  # refusals count against it
 
 
+def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path):
+    """Node 1 hands in, at its honest update's size, a step straight down the probe's reference
+    direction (what an attacker trained to raise the error sends): inside every norm bound, so
+    only the direction check can tell. Once the check has enough cosines to measure their
+    spread, each of node 1's updates is refused (cause `direction`) and its record is in the
+    checkpoint."""
+    from fedrl.lora import build_adapter_model
+    from fedrl.patch import apply_patch, encode_patch
+    from fedrl.store_client import BlockingStoreClient
+    from fedrl.strategies.direction import DirectionCheck
+    from fedrl.tasks import get_task
+
+    cfg = config(tmp_path, mode="block-sequential", sync=True, versions=6, direction_probe=16)
+    adapter = build_adapter_model(cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks)
+    check = DirectionCheck(adapter, get_task(cfg.task, **json.loads(cfg.task_params)), 16, 1.5, cfg.seed)
+    grid = None
+
+    def script(node, msg, reply):
+        if reply.has_error() or node != 1 or not report_of(reply)["upload_key"]:
+            return reply
+        instr, report = msg.content["instruction"], report_of(reply)
+        held = {n: t.float() for n, t in grid.held(1).items()}
+        names = adapter.part.names(report["upload_block"])
+        store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
+        try:
+            honest = apply_patch({n: held[n] for n in names}, store.get(report["upload_key"]))
+            size = sum(float((honest[n] - held[n]).square().sum()) for n in names) ** 0.5
+            ref = check.reference(report["upload_base_version"], held, names)
+            scale = size / sum(float(ref[n].square().sum()) for n in names) ** 0.5
+            down = {n: held[n] - scale * ref[n] for n in names}
+            v = report["upload_base_version"]
+            key = store.put(encode_patch({n: held[n] for n in names}, down, v, v))
+        finally:
+            store.close()
+        return with_report(msg, reply, upload_key=key)
+
+    grid = FakeGrid(3, client_app, script)
+    summary = run_coordinator(grid, cfg)
+    mine = [e for e in summary["events"] if e["kind"] in ("accepted", "rejected") and e["node"] == 1]
+    # straight down the reference (a round whose honest update was empty hands in nothing: 0)
+    assert sum(e["cosine"] < -0.9 for e in mine) >= len(mine) - 1, mine
+    refused = [e for e in mine if e["kind"] == "rejected"]
+    assert len(refused) >= 2 and all(e["cause"] == "direction" for e in refused), mine
+    assert mine[-1]["kind"] == "rejected" and "away from the task's answers" in mine[-1]["reason"]
+    assert summary["versions"] >= 6
+    from fedrl.strategies.checkpoint import load_checkpoints
+
+    _, _, meta = next(iter(load_checkpoints(tmp_path / "run" / "checkpoints")))
+    client = next(e["client"] for e in summary["events"] if e["kind"] == "joined" and e["node"] == 1)
+    assert meta["direction"]["records"][str(client)][0] == len(mine)
+
+
 def test_a_resumed_run_keeps_the_held_out_evals_made_after_its_last_checkpoint(tmp_path):
     """Found by `bench chaos` (kill loop): the eval of a version ran after that version's
     checkpoint, so a coordinator killed before the next version lost it from its history."""

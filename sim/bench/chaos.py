@@ -46,6 +46,7 @@ RULES = {  # name: run config; "clip" is the default rule of a run
     "trimmed-mean": dict(robust="trimmed-mean", clip_multiple=3.0),
     "median": dict(robust="median", clip_multiple=3.0),
     "gate": dict(CLIP, gate_probe=64, gate_tolerance=0.05, reputation=True),
+    "direction": dict(CLIP, direction_probe=64),
 }
 HONEST = {"name": "honest", "up_bytes_s": 1e6, "down_bytes_s": 4e6, "latency_s": 0.02}
 
@@ -149,6 +150,14 @@ def byzantine(
                             e["cause"] for e in judged if e["kind"] == "rejected" and e.get("node") not in bad
                         )
                     ),
+                    clean_refused=dict(
+                        collections.Counter(e["cause"] for e in clean["events"] if e["kind"] == "rejected")
+                    ),
+                    direction_cpu_s_per_reference=(
+                        s["direction"]["cpu_s"] / max(s["direction"]["references"], 1)
+                    )
+                    if s.get("direction")
+                    else None,
                     gate_caught=sum(e.get("node") in bad for e in gated),
                     gate_refused_honest=sum(e.get("node") not in bad for e in gated),
                     gate_cpu_s_per_update=(s["gate"]["cpu_s"] / max(s["gate"]["updates_scored"], 1))

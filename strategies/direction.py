@@ -1,0 +1,158 @@
+"""A direction check for untrusted updates: does a client's update point where the answers are?
+
+An update reversed at its own size, or at the clip's bound, passes every norm check, and one
+such update moves a probe's greedy reward by less than the probe's own noise. What gives it
+away is its direction, over several rounds. The coordinator holds the task's reference answers:
+the gradient of their mean log-prob on a fixed probe set, at the current global state and for
+the block an update changes, is a direction no client can steer (a reference made of client
+updates, such as their median or momentum, is steered by the attackers in it). One update's
+cosine with it is small (honest DG updates on the tiny model: about +0.03, spread 0.06; their
+sampling noise dominates them), but its sign persists: a client that reverses its updates sits
+below zero round after round. So each client accumulates evidence, z = mean(cos) * sqrt(n) /
+sigma over its updates so far (sigma: a robust spread of every client's recent cosines), and an
+update is refused (cause `direction`) while z < -threshold. An honest client's z drifts up
+with n; a reversing one's down.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from fedrl.lora import AdapterModel
+from fedrl.rollout import answer_vocab, left_pad, token_logprobs
+from fedrl.tasks.base import Task
+
+PROBE_SEED = 0xD1EC  # the probe problems' stream, apart from the gate's, every client's and the eval's
+SPREAD_WINDOW = 256  # recent cosines (every client's) that sigma is measured on
+MIN_SPREAD = 8  # cosines needed before sigma means anything: nothing is refused before
+
+
+def reference_answers_batch(adapter: AdapterModel, task: Task, problems) -> dict:
+    """Prompts with their reference answers (the text `str(target)` and <eos>, cut to the answer
+    length the task allows, as a sampled answer is), teacher-forced:
+    the tensors token_logprobs scores. Refuses a task whose target is not an answer it accepts
+    (the digits bandit's targets are actions, not text)."""
+    lm = adapter.lm
+    wrong = [p for p in problems if not isinstance(p.prompt, str) or not task.is_correct(p, str(p.target))]
+    if wrong:
+        raise ValueError(
+            f"task {task.name!r}: the direction check needs text prompts whose targets, written "
+            "as text, are correct answers"
+        )
+    prompts = [lm.prompt_ids(p.prompt, task.chat) for p in problems]
+    prompt_ids, prompt_mask = left_pad(prompts, lm.pad_token_id)
+    answers = [lm.answer_ids(str(p.target))[: task.max_answer_tokens] for p in problems]
+    width = max(len(a) for a in answers)
+    answer_ids = torch.full((len(problems), width), lm.pad_token_id, dtype=torch.long)
+    answer_mask = torch.zeros((len(problems), width), dtype=torch.long)
+    for i, a in enumerate(answers):
+        answer_ids[i, : len(a)] = torch.as_tensor(a)
+        answer_mask[i, : len(a)] = 1
+    return {
+        "input_ids": torch.cat([prompt_ids, answer_ids], 1),
+        "attention_mask": torch.cat([prompt_mask, answer_mask], 1),
+        "answer_mask": torch.cat([torch.zeros_like(prompt_mask), answer_mask], 1).float(),
+        "prompt_width": prompt_ids.shape[1],
+        "allowed": answer_vocab(lm, task),
+    }
+
+
+def evidence(count: int, total: float, sigma: float) -> float:
+    """z of a client's `count` cosines (summing to `total`) against zero: mean * sqrt(n) / sigma."""
+    return total / count * count**0.5 / sigma
+
+
+def robust_spread(values) -> float:
+    """1.4826 x the median absolute deviation: the standard deviation for a normal sample, and
+    a minority of attackers far off does not inflate it."""
+    median = statistics.median(values)
+    return 1.4826 * statistics.median(abs(v - median) for v in values)
+
+
+class DirectionCheck:
+    def __init__(self, adapter: AdapterModel, task: Task, problems: int, threshold: float, seed: int):
+        self.adapter, self.threshold = adapter, threshold
+        probe = task.sample(problems, np.random.default_rng([seed, PROBE_SEED]))
+        self.batch = reference_answers_batch(adapter, task, probe)
+        self.cached: tuple[tuple[int, tuple[str, ...]], dict[str, torch.Tensor]] | None = None
+        self.records: dict[int, tuple[int, float]] = {}  # client id -> (updates, sum of their cosines)
+        self.recent: collections.deque = collections.deque(maxlen=SPREAD_WINDOW)
+        self.cpu_s, self.computed = 0.0, 0  # what the reference directions cost
+
+    def log_prob(self, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The probe's mean log-prob of its reference answer tokens under `state` (differentiable
+        in the parameters that require grad)."""
+        model, b = self.adapter.lm.model, self.batch
+        self.adapter.part.set_all(model, state)
+        logp = token_logprobs(model, b["input_ids"], b["attention_mask"], b["allowed"], b["prompt_width"])
+        return (logp * b["answer_mask"]).sum() / b["answer_mask"].sum()
+
+    def reference(self, version: int, state: Mapping[str, torch.Tensor], names: list[str]) -> dict:
+        """The gradient of log_prob w.r.t. `names` under `state`, once per version and block."""
+        key = (version, tuple(names))
+        if self.cached is None or self.cached[0] != key:
+            cpu = time.process_time()
+            params = dict(self.adapter.lm.model.named_parameters())
+            wanted = [params[n] for n in names]
+            flags = {n: p.requires_grad for n, p in params.items()}
+            try:
+                for p in params.values():
+                    p.requires_grad_(False)
+                for p in wanted:
+                    p.requires_grad_(True)
+                grads = torch.autograd.grad(self.log_prob(state), wanted)
+            finally:
+                for n, p in params.items():
+                    p.requires_grad_(flags[n])
+            self.cached = (key, {n: g.detach().float() for n, g in zip(names, grads)})
+            self.cpu_s += time.process_time() - cpu
+            self.computed += 1
+        return self.cached[1]
+
+    def check(
+        self, client: int, version: int, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
+    ) -> tuple[float, float | None, str | None]:
+        """(the update's cosine with the reference, the client's evidence z or None while there
+        is too little to judge, why it is refused or None). The cosine joins the client's record
+        whether or not the update is refused: refusing an attacker must not clear its name."""
+        names = sorted(delta)
+        ref = self.reference(version, state, names)
+        dot = sum(float((ref[n] * delta[n].float()).sum()) for n in names)
+        norms = sum(float(ref[n].square().sum()) for n in names) * sum(
+            float(delta[n].float().square().sum()) for n in names
+        )
+        cosine = dot / norms**0.5 if norms > 0 else 0.0
+        count, total = self.records.get(client, (0, 0.0))
+        count, total = count + 1, total + cosine
+        self.records[client] = (count, total)
+        self.recent.append(cosine)
+        if len(self.recent) < MIN_SPREAD:
+            return cosine, None, None
+        sigma = robust_spread(self.recent)
+        if sigma <= 0:
+            return cosine, None, None
+        z = evidence(count, total, sigma)
+        if z >= -self.threshold:
+            return cosine, z, None
+        return (
+            cosine,
+            z,
+            f"over its {count} update(s) this client's mean cosine with the probe's reference "
+            f"direction is {total / count:+.3f} (z {z:.2f} < -{self.threshold:g}): its updates point "
+            "away from the task's answers",
+        )
+
+    def state_dict(self) -> dict:
+        return {"records": {str(k): list(v) for k, v in self.records.items()}, "recent": list(self.recent)}
+
+    def load_state_dict(self, state: dict) -> None:
+        # JSON turns int keys into strings
+        self.records = {int(k): (int(n), float(t)) for k, (n, t) in state.get("records", {}).items()}
+        self.recent.clear()
+        self.recent.extend(float(c) for c in state.get("recent", []))

@@ -1,0 +1,101 @@
+"""The direction check on the real tiny model: a client whose updates keep pointing away from the
+task's reference answers is refused; honest noise that leans the right way is not."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedrl.lora import build_adapter_model
+from fedrl.strategies.direction import DirectionCheck, evidence, robust_spread
+from fedrl.strategies.run_config import RunConfig
+from fedrl.tasks import get_task
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    return build_adapter_model("tiny-base", rank=8, alpha=16.0, num_blocks=3)
+
+
+@pytest.fixture(scope="module")
+def reversal():
+    return get_task("reversal", **json.loads('{"length": 8}'))
+
+
+def unit(tensors: dict) -> dict:
+    norm = sum(float(t.square().sum()) for t in tensors.values()) ** 0.5
+    return {n: t / norm for n, t in tensors.items()}
+
+
+def leaning(reference: dict, cosine: float, g: torch.Generator) -> dict:
+    """A delta whose cosine with `reference` is about `cosine`: mostly noise, as RL updates are."""
+    noise = unit({n: torch.randn(t.shape, generator=g) for n, t in reference.items()})
+    ref = unit(reference)
+    return {n: cosine * ref[n] + (1 - cosine**2) ** 0.5 * noise[n] for n in ref}
+
+
+def test_the_reference_direction_raises_the_reference_answers_log_prob(adapter, reversal):
+    check = DirectionCheck(adapter, reversal, problems=16, threshold=1.5, seed=0)
+    state, names = dict(adapter.initial), adapter.part.names(1)
+    flags = [p.requires_grad for p in adapter.lm.model.parameters()]
+    ref = check.reference(0, state, names)
+    assert set(ref) == set(names) and any(float(t.abs().sum()) > 0 for t in ref.values())
+    assert check.reference(0, state, names) is ref  # once per version and block
+
+    def mean_logp(step: float) -> float:
+        moved = {**state, **{n: state[n] + step * ref[n] for n in names}}
+        return float(check.log_prob(moved).detach())
+
+    assert mean_logp(1e-2) > mean_logp(0.0) > mean_logp(-1e-2)
+    # the check leaves every parameter as trainable as it found it
+    assert [p.requires_grad for p in adapter.lm.model.parameters()] == flags
+
+
+def test_a_reversing_client_is_refused_and_honest_noisy_ones_are_not(adapter, reversal):
+    check = DirectionCheck(adapter, reversal, problems=16, threshold=1.5, seed=0)
+    state, names = dict(adapter.initial), adapter.part.names(1)
+    ref = check.reference(0, state, names)
+    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    refused = {c: 0 for c in range(10)}
+    for _ in range(12):
+        for client in range(10):
+            # honest: +0.05 on average, spread 0.05 (the tiny model's DG updates: +0.03, 0.06);
+            # clients 8 and 9 hand in their updates reversed
+            lean = rng.normal(0.05, 0.05) * (-1 if client >= 8 else 1)
+            cosine, z, reason = check.check(client, 0, state, leaning(ref, lean, g))
+            assert abs(cosine - lean) < 0.05
+            if reason:
+                refused[client] += 1
+                assert z < -1.5 and "mean cosine" in reason and "away from the task's answers" in reason
+    assert refused[8] >= 8 and refused[9] >= 8, refused
+    assert sum(refused[c] for c in range(8)) <= 1, refused
+    # the record survives a restart: the attacker is still refused at once
+    again = DirectionCheck(adapter, reversal, problems=16, threshold=1.5, seed=0)
+    again.load_state_dict(json.loads(json.dumps(check.state_dict())))
+    assert again.check(9, 0, state, leaning(ref, 0.0, g))[2] is not None
+    assert again.check(0, 0, state, leaning(ref, 0.0, g))[2] is None
+
+
+def test_nothing_is_refused_before_the_spread_can_be_measured(adapter, reversal):
+    check = DirectionCheck(adapter, reversal, problems=8, threshold=1.5, seed=0)
+    state, names = dict(adapter.initial), adapter.part.names(0)
+    ref = check.reference(0, state, names)
+    first = [check.check(0, 0, state, {n: -t for n, t in ref.items()}) for _ in range(7)]
+    assert all(z is None and reason is None for _, z, reason in first)
+    assert first[0][0] == pytest.approx(-1.0, abs=1e-4)
+
+
+def test_evidence_and_spread():
+    assert evidence(4, -0.2, 0.05) == pytest.approx(-2.0)
+    assert robust_spread([0.0, 0.0, 1.0, -1.0, 100.0]) == pytest.approx(1.4826)
+
+
+def test_a_task_without_text_answers_and_bad_settings_are_refused(adapter):
+    with pytest.raises(ValueError, match="needs text prompts"):
+        DirectionCheck(adapter, get_task("digits"), problems=4, threshold=1.5, seed=0)
+    with pytest.raises(ValueError, match="direction_probe"):
+        RunConfig(direction_probe=-1)
+    with pytest.raises(ValueError, match="direction_threshold"):
+        RunConfig(direction_threshold=-0.5)
