@@ -26,6 +26,7 @@ import torch
 
 from fedrl.lora import AdapterModel
 from fedrl.rollout import answer_vocab, left_pad, token_logprobs
+from fedrl.strategies.aggregation import update_norm
 from fedrl.tasks.base import Task
 
 PROBE_SEED = 0xD1EC  # the probe problems' stream, apart from the gate's, every client's and the eval's
@@ -124,10 +125,8 @@ class DirectionCheck:
         names = sorted(delta)
         ref = self.reference(version, state, names)
         dot = sum(float((ref[n] * delta[n].float()).sum()) for n in names)
-        norms = sum(float(ref[n].square().sum()) for n in names) * sum(
-            float(delta[n].float().square().sum()) for n in names
-        )
-        cosine = dot / norms**0.5 if norms > 0 else 0.0
+        norms = update_norm(ref) * update_norm(delta)
+        cosine = dot / norms if norms > 0 else 0.0
         count, total = self.records.get(client, (0, 0.0))
         count, total = count + 1, total + cosine
         self.records[client] = (count, total)
