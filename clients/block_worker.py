@@ -26,13 +26,14 @@ import torch
 
 from fedrl.clients.model_cache import ModelCache
 from fedrl.clients.runtime import CommResult, Runtime, Timing, current_runtime
+from fedrl.frictions import StalenessBuffer, corrupt_rewards, inject_bugs, lagged_rollout, logit_noise_hook
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.lora import AdapterModel
 from fedrl.patch import encode_patch, state_hash
 from fedrl.patch_chain import SyncFailed, published, synchronize
 from fedrl.patch_routes import PatchRef
 from fedrl.protocol import NO_UPLOAD, TrainInstruction, TrainReport
-from fedrl.rollout import rollout, score
+from fedrl.rollout import score
 from fedrl.signing import load_public_key, verify_signed_patch
 from fedrl.sparsify import top_k_with_feedback
 from fedrl.store_client import PatchStoreClient
@@ -269,15 +270,29 @@ def train_steps(
     task = get_task(instr.task, **json.loads(instr.task_params)).client_split(instr.data_shards, instr.shard)
     rng = np.random.default_rng([instr.seed, instr.client_id, instr.round])
     gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
+    faults = runtime.frictions()  # a simulated volunteer's actor; nothing on a real node
+    history = StalenessBuffer(faults.staleness, faults.staleness_uniform) if faults.staleness else None
+    noise = logit_noise_hook(faults.logit_noise, gen)
     metrics: list[dict] = []
     compute_start = time.perf_counter()
     for _ in range(instr.steps):
         step_start = time.perf_counter()
         problems = task.sample(instr.prompts, rng)
-        batch = rollout(lm, task, problems, instr.samples, generator=gen, temperature=instr.temperature)
-        runtime.perturb_rollouts(batch, lm, task, rng)
+        batch = lagged_rollout(
+            lm,
+            part,
+            history,
+            rng,
+            task,
+            problems,
+            instr.samples,
+            generator=gen,
+            temperature=instr.temperature,
+            logit_hook=noise,
+        )
+        inject_bugs(batch, lm, "0" * task.max_answer_tokens, faults.bug_prob, rng)
         score(task, batch)
-        runtime.perturb_rewards(batch.rewards, rng)
+        corrupt_rewards(batch.rewards, faults.reward_noise_prob, rng)
         metrics.append(lm_update(learner, lm.model, batch))
         runtime.pace(time.perf_counter() - step_start)
         if runtime.leaving() == "drop":  # the owner abandons the round: no more steps

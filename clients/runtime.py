@@ -1,5 +1,5 @@
 """What surrounds a client: its links, the pace of its steps, how its rounds are timed and
-what its actor does to rollouts. `Runtime` is the real world: plain links, wall-clock
+which frictions its actor suffers. `Runtime` is the real world: plain links, wall-clock
 timings, an honest actor. The simulation wraps the ClientApp with a mod that installs
 another runtime for the length of one message (`use_runtime`); the worker asks
 `current_runtime()` and never knows which it got.
@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+from fedrl.frictions import Frictions
 from fedrl.link import Link, RateLimitedLink
 from fedrl.node_files import leave_request
 
@@ -80,11 +81,9 @@ class Runtime:
             time.perf_counter() - start,
         )
 
-    def perturb_rollouts(self, batch, lm, task, rng) -> None:
-        """The actor's own faults, before scoring (none on an honest client)."""
-
-    def perturb_rewards(self, rewards, rng) -> None:
-        """Faults of the reward signal (none on an honest client)."""
+    def frictions(self) -> Frictions:
+        """What this client's actor suffers (fedrl.frictions; nothing on an honest client)."""
+        return Frictions()
 
     def poison_update(self, base: dict, new: dict, seed: int, first: dict) -> dict:
         """What a dishonest client hands in for the block's new values (an honest one: `new`);

@@ -54,6 +54,25 @@ class StalenessBuffer:
         return self.snapshots[-1 - age]
 
 
+def lagged_rollout(lm: LoadedModel, part, history: StalenessBuffer | None, rng, *args, **kwargs) -> Rollouts:
+    """A rollout by an actor that lags its learner: `history` holds the adapter's values at the
+    learner's last steps (this one is pushed now) and the actor samples with one of them, drawn
+    by the buffer's rule; the learner's values are back in the model afterwards. Behaviour
+    log-probs are the lagging actor's own, so they stay exact. No history: the learner samples."""
+    if history is None:
+        return rollout(lm, *args, **kwargs)
+    learner = part.get_all(lm.model)
+    history.push(learner)
+    age = history.sample_age(rng)
+    if age == 0:
+        return rollout(lm, *args, **kwargs)
+    part.set_all(lm.model, history.get(age))
+    try:
+        return rollout(lm, *args, **kwargs)
+    finally:
+        part.set_all(lm.model, learner)
+
+
 def pick_rows(n: int, prob: float, rng: np.random.Generator) -> np.ndarray:
     return np.flatnonzero(rng.random(n) < prob) if prob > 0 else np.array([], dtype=int)
 

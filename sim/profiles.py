@@ -16,6 +16,8 @@ A profile file lists groups of identical clients, or draws a group from a named 
     offline_s = 0.0
     bug_prob = 0.0            # frictions of the client's actor (see fedrl.frictions)
     reward_noise_prob = 0.0
+    actor_staleness = 0       # the actor samples with weights up to this many local steps old
+    logit_noise = 0.0         # std of Gaussian noise on the actor's logits (inference mismatch)
 
     [[client]]
     count = 6
@@ -55,6 +57,8 @@ class ClientProfile(Schema):
     offline_s: float = 0.0
     bug_prob: float = 0.0
     reward_noise_prob: float = 0.0
+    actor_staleness: int = 0
+    logit_noise: float = 0.0
     attack: str = ""  # a Byzantine client: what it uploads instead of its update (fedrl.sim.attacks)
 
     @model_validator(mode="after")
@@ -64,8 +68,8 @@ class ClientProfile(Schema):
                 raise ValueError(f"{name} is NaN")
         if self.speed <= 0 or self.up_bytes_s <= 0 or self.down_bytes_s <= 0 or self.online_s <= 0:
             raise ValueError("speed, bandwidths and online_s must be > 0")
-        if self.latency_s < 0 or self.offline_s < 0:
-            raise ValueError("latency_s and offline_s must be >= 0")
+        if min(self.latency_s, self.offline_s, self.actor_staleness, self.logit_noise) < 0:
+            raise ValueError("latency_s, offline_s, actor_staleness and logit_noise must be >= 0")
         if self.attack not in ATTACKS:
             raise ValueError(f"attack must be one of {ATTACKS}, got {self.attack!r}")
         for name in ("loss", "dropout", "bug_prob", "reward_noise_prob"):

@@ -18,7 +18,7 @@ from flwr.app import Context, Error, Message
 from flwr.common.constant import ErrorCode
 
 from fedrl.clients.runtime import CommResult, Runtime, Timing, use_runtime
-from fedrl.frictions import corrupt_rewards, inject_bugs
+from fedrl.frictions import Frictions
 from fedrl.link import Link
 from fedrl.protocol import InstructionHead
 from fedrl.schema import Schema, SchemaError
@@ -69,11 +69,14 @@ class SimulatedRuntime(Runtime):
         duration, overlap = round_seconds(overlapped, compute_s, before_s, after_s)
         return Timing(compute_s, before_s + after_s, overlap, duration)
 
-    def perturb_rollouts(self, batch, lm, task, rng) -> None:
-        inject_bugs(batch, lm, "0" * task.max_answer_tokens, self.profile.bug_prob, rng)
-
-    def perturb_rewards(self, rewards, rng) -> None:
-        corrupt_rewards(rewards, self.profile.reward_noise_prob, rng)
+    def frictions(self) -> Frictions:
+        p = self.profile
+        return Frictions(
+            staleness=p.actor_staleness,
+            bug_prob=p.bug_prob,
+            reward_noise_prob=p.reward_noise_prob,
+            logit_noise=p.logit_noise,
+        )
 
     def poison_update(self, base, new, seed, first):
         return poison(self.profile.attack, base, new, seed, first)

@@ -2,9 +2,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedrl.frictions import Actor, Frictions, StalenessBuffer, corrupt_rewards, pick_rows
+from fedrl.frictions import Actor, Frictions, StalenessBuffer, corrupt_rewards, lagged_rollout, pick_rows
+from fedrl.lora import build_adapter_model
 from fedrl.models import tiny_model
-from fedrl.tasks import ReversalTask
+from fedrl.tasks import ReversalTask, get_task
 
 N = 20_000
 
@@ -38,6 +39,35 @@ def test_staleness_ages_are_uniform_in_0_to_d_or_fixed():
     assert fixed.sample_age(rng) == 2 and fixed.get(2) == 0  # capped by what exists
 
 
+def test_a_lagging_actor_samples_with_its_learners_older_values_and_hands_the_model_back():
+    adapter = build_adapter_model("tiny-base", rank=8, alpha=16.0, num_blocks=3)
+    lm, part = adapter.lm, adapter.part
+    task = get_task("reversal", length=8)
+    problems = task.sample(4, np.random.default_rng(0))
+    history = StalenessBuffer(2, uniform=False)  # always the oldest snapshot there is
+    values = [part.get_all(lm.model)]
+    values.append({n: t + 0.5 * torch.randn_like(t) for n, t in values[0].items()})
+    values.append({n: t - 0.5 * torch.randn_like(t) for n, t in values[0].items()})
+
+    def sample(history=None, rng=None):  # the same draws every time: only the weights differ
+        return lagged_rollout(
+            lm, part, history, rng, task, problems, 4, generator=torch.Generator().manual_seed(7)
+        )
+
+    batches = []
+    for step, learner in enumerate(values):
+        part.set_all(lm.model, learner)
+        batches.append(sample(history, np.random.default_rng(step)))
+        current = part.get_all(lm.model)
+        assert all(torch.equal(current[n], learner[n]) for n in learner)  # the learner's values are back
+    # step 2 sampled with step 0's values: the same answers and exact behaviour log-probs as those
+    part.set_all(lm.model, values[0])
+    old = sample()  # no history: the learner samples itself
+    assert batches[2].answers == old.answers and torch.equal(batches[2].behaviour_logp, old.behaviour_logp)
+    part.set_all(lm.model, values[2])
+    assert not torch.equal(sample().behaviour_logp, batches[2].behaviour_logp)
+
+
 def test_actor_applies_bugs_and_discoveries_at_their_rates():
     task = ReversalTask(length=4)
     lm = tiny_model(0, alphabet="01")
@@ -69,3 +99,37 @@ def test_bad_friction_settings_are_rejected():
         Frictions(bug_prob=1.5)
     with pytest.raises(ValueError):
         Frictions(staleness=-1)
+
+
+def test_a_simulated_volunteers_frictions_reach_the_rollouts_of_its_local_steps(monkeypatch):
+    from fake_grid import instruction_record
+
+    from fedrl.clients import block_worker
+    from fedrl.clients.runtime import CommResult, Runtime
+    from fedrl.protocol import TrainInstruction
+    from fedrl.sim.profiles import ClientProfile
+    from fedrl.sim.simulated_client import SimulatedRuntime
+
+    adapter = build_adapter_model("tiny-base", rank=8, alpha=16.0, num_blocks=3)
+    instr = TrainInstruction.parse(
+        instruction_record(task_params='{"length": 8}', steps=3, prompts=4, samples=4)
+    )
+    seen = []
+    monkeypatch.setattr(block_worker, "lm_update", lambda learner, model, batch: seen.append(batch) or {})
+
+    def local_steps(runtime):
+        seen.clear()
+        names = adapter.part.names(instr.block)
+        block_worker.train_steps(instr, adapter, names, dict(adapter.initial), CommResult(), runtime, True)
+        return list(seen)
+
+    honest = local_steps(Runtime())
+    assert len(honest) == 3
+    assert not any(a == "0" * 8 for b in honest for a in b.answers)
+    buggy = local_steps(SimulatedRuntime(ClientProfile(bug_prob=0.9), virtual=True, step_s=1.0))
+    rows = [(b, i) for b in buggy for i, a in enumerate(b.answers) if a == "0" * 8]
+    assert len(rows) > 30  # of 48; each reports behaviour log-prob 0
+    assert all(float(b.behaviour_logp[i].abs().sum()) == 0.0 for b, i in rows)
+    # a mismatched actor samples the same draws from other probabilities, and reports those
+    mismatched = local_steps(SimulatedRuntime(ClientProfile(logit_noise=1.0), virtual=True, step_s=1.0))
+    assert not torch.equal(mismatched[0].behaviour_logp, honest[0].behaviour_logp)

@@ -88,16 +88,28 @@ def test_two_benchmark_invocations_within_one_second_get_folders_of_their_own(tm
     assert second.name == "bench-runs-20260101-000000-2"
 
 
-def test_friction_profiles_make_the_asked_shares_buggy_and_noisy():
+def test_friction_profiles_make_the_asked_shares_buggy_noisy_stale_and_mismatched():
+    import argparse
     import json
 
-    from fedrl.sim.bench.methods import friction_profiles
+    from fedrl.sim.bench.methods import friction_profiles, volunteer_frictions
 
-    profiles = json.loads(friction_profiles(8, buggy=0.25, noisy=0.25, strength=0.3, seed=0))
+    flags = dict(
+        buggy=0.25, noisy=0.25, strength=0.3, stale=0.0, actor_staleness=6, mismatched=0.0, logit_noise=0.5
+    )
+    profiles = json.loads(friction_profiles(8, volunteer_frictions(argparse.Namespace(**flags)), seed=0))
     assert sum(p["bug_prob"] == 0.3 for p in profiles) == 2
     assert sum(p["reward_noise_prob"] == 0.3 for p in profiles) == 2
     assert not any(p["bug_prob"] and p["reward_noise_prob"] for p in profiles)
+    assert not any(p["actor_staleness"] or p["logit_noise"] for p in profiles)
     assert len({p["speed"] for p in profiles}) > 4  # still the heterogeneous mixed-volunteers mix
+    flags |= dict(buggy=0.0, stale=0.25, mismatched=0.5)
+    profiles = json.loads(friction_profiles(8, volunteer_frictions(argparse.Namespace(**flags)), seed=0))
+    assert [p["name"].rsplit("-", 1)[-1] for p in profiles] == ["noisy"] * 2 + ["stale"] * 2 + [
+        "mismatched"
+    ] * 4
+    assert [p["actor_staleness"] for p in profiles] == [0] * 2 + [6] * 2 + [0] * 4
+    assert [p["logit_noise"] for p in profiles] == [0.0] * 4 + [0.5] * 4
 
 
 def test_bench_methods_on_a_scenario_takes_its_clients_and_budget_with_overrides():

@@ -57,6 +57,16 @@ def add_arguments(parser) -> None:
         default=RunConfig.model_fields["wire_dtype"].default,
         help="the dtype versions travel in, for every strategy (fedavg-lora's whole adapters too)",
     )
+    add_step_s_argument(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", choices=["local", "ray"], default="local")
+
+
+def time_to_target(evals: list[dict], target: float) -> float | None:
+    return next((e["t"] for e in evals if e["error"] <= target), None)
+
+
+def add_step_s_argument(parser) -> None:
     parser.add_argument(
         "--step-s",
         type=float,
@@ -64,12 +74,6 @@ def add_arguments(parser) -> None:
         help="seconds of one learner step at speed 1 (0: measured once, in the first run); fix it "
         "to compare invocations: the measurement follows the machine's load",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--engine", choices=["local", "ray"], default="local")
-
-
-def time_to_target(evals: list[dict], target: float) -> float | None:
-    return next((e["t"] for e in evals if e["error"] <= target), None)
 
 
 def bench_run_config(clients: int, budget: float, target: float, quick: bool, **settings) -> RunConfig:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from fedrl.bench.common import write_json
-from fedrl.sim.bench.async_rounds import bench_run_config, runs_dir, time_to_target
+from fedrl.sim.bench.async_rounds import add_step_s_argument, bench_run_config, runs_dir, time_to_target
 from fedrl.sim.profiles import mix
 from fedrl.sim.report import write_report
 from fedrl.sim.runner import parse_overrides, simulate
@@ -29,15 +29,27 @@ from fedrl.sim.simulated_server import SimConfig, split_config
 METHODS = ("dg", "ppo", "reinforce")
 
 
-def friction_profiles(clients: int, buggy: float, noisy: float, strength: float, seed: int) -> str:
-    """The mixed-volunteers mix with every k-th client buggy or noisy: a JSON profile list."""
+def volunteer_frictions(args) -> list[tuple[str, float, dict]]:
+    """(label, share of clients, profile settings) per kind of faulty volunteer, from the flags."""
+    return [
+        ("buggy", args.buggy, {"bug_prob": args.strength}),
+        ("noisy", args.noisy, {"reward_noise_prob": args.strength}),
+        ("stale", args.stale, {"actor_staleness": args.actor_staleness}),
+        ("mismatched", args.mismatched, {"logit_noise": args.logit_noise}),
+    ]
+
+
+def friction_profiles(clients: int, frictions: list[tuple[str, float, dict]], seed: int) -> str:
+    """The mixed-volunteers mix with each friction's share of its clients (in the order given)
+    set to that friction's settings: a JSON profile list."""
+    bounds = np.cumsum([share for _, share, _ in frictions])
     profiles = []
     for i, p in enumerate(mix("mixed-volunteers", clients, seed)):
         values = p.model_dump()
-        if (i + 0.5) / clients < buggy:
-            values |= {"name": f"{p.name}-buggy", "bug_prob": strength}
-        elif (i + 0.5) / clients < buggy + noisy:
-            values |= {"name": f"{p.name}-noisy", "reward_noise_prob": strength}
+        kind = int(np.searchsorted(bounds, (i + 0.5) / clients, side="right"))
+        if kind < len(frictions):
+            label, _, setting = frictions[kind]
+            values |= {"name": f"{p.name}-{label}", **setting}
         profiles.append(values)
     return json.dumps(profiles)
 
@@ -67,6 +79,25 @@ def add_arguments(parser) -> None:
     parser.add_argument("--target", type=float, default=0.15, help="held-out greedy error to reach")
     parser.add_argument("--buggy", type=float, default=0.25, help="share of clients with buggy actors")
     parser.add_argument("--noisy", type=float, default=0.25, help="share of clients with noisy rewards")
+    parser.add_argument("--stale", type=float, default=0.0, help="share of clients whose actor lags")
+    parser.add_argument(
+        "--actor-staleness",
+        type=int,
+        default=8,
+        help="a stale client's actor samples with its weights of up to this many local steps ago (uniform)",
+    )
+    parser.add_argument(
+        "--mismatched",
+        type=float,
+        default=0.0,
+        help="share of clients whose inference does not match training",
+    )
+    parser.add_argument(
+        "--logit-noise",
+        type=float,
+        default=0.5,
+        help="std of the noise on a mismatched client's actor logits",
+    )
     parser.add_argument(
         "--strength",
         type=float,
@@ -80,6 +111,7 @@ def add_arguments(parser) -> None:
         default=1e-4,
         help="the clients' Adam learning rate (1e-4: a steady curve on tiny-gpt-base)",
     )
+    add_step_s_argument(parser)
     parser.add_argument("--engine", choices=["local", "ray"], default="local")
     parser.add_argument(
         "--scenario",
@@ -100,12 +132,14 @@ def friction_setup(args) -> tuple:
     )
 
     def sim_for(seed: int) -> SimConfig:
-        profiles = friction_profiles(clients, args.buggy, args.noisy, args.strength, seed)
+        profiles = friction_profiles(clients, volunteer_frictions(args), seed)
         return SimConfig(profiles=profiles, clock="virtual")
 
     setting = {
         "budget_s": budget,
-        "frictions": {"buggy": args.buggy, "noisy": args.noisy, "strength": args.strength},
+        "frictions": {
+            label: {"share": share, **setting} for label, share, setting in volunteer_frictions(args)
+        },
         "model": args.model,
         "lr": args.lr,
     }
@@ -135,7 +169,7 @@ def main(args) -> int:
     seeds = args.seeds or (1 if args.quick else 3)
     base, clients, sim_for, setting, budget = (scenario_setup if args.scenario else friction_setup)(args)
     runs = runs_dir(args.out)
-    start, step_s, results = time.perf_counter(), 0.0, []
+    start, step_s, results = time.perf_counter(), args.step_s, []
     for seed in range(seeds):
         for method in args.methods:
             cfg = base.replace(
@@ -181,11 +215,11 @@ def main(args) -> int:
         },
         args.out,
     )
-    title = (
-        f"{setting['scenario']}: the federation's own staleness"
-        if args.scenario
-        else "federated RL, buggy and noisy volunteers: loss by loss"
-    )
+    if args.scenario:
+        title = f"{setting['scenario']}: the federation's own staleness"
+    else:
+        shares = [f"{v['share']:.0%} {k}" for k, v in setting["frictions"].items() if v["share"]]
+        title = f"federated RL, volunteers {', '.join(shares) or 'without frictions'}: loss by loss"
     plot(results, args.target, out.with_suffix(".png"), title)
     print(table(summary, seeds))
     print(f"wrote {out} and {out.with_suffix('.png')}")
