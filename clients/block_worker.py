@@ -26,14 +26,13 @@ import torch
 
 from fedrl.clients.model_cache import ModelCache
 from fedrl.clients.runtime import CommResult, Runtime, Timing, current_runtime
-from fedrl.frictions import StalenessBuffer, corrupt_rewards, inject_bugs, lagged_rollout, logit_noise_hook
+from fedrl.frictions import StalenessBuffer, lagged_rollout, logit_noise_hook, perturb_and_score
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.lora import AdapterModel
 from fedrl.patch import encode_patch, state_hash
 from fedrl.patch_chain import SyncFailed, published, synchronize
 from fedrl.patch_routes import PatchRef
 from fedrl.protocol import NO_UPLOAD, TrainInstruction, TrainReport
-from fedrl.rollout import score
 from fedrl.signing import load_public_key, verify_signed_patch
 from fedrl.sparsify import top_k_with_feedback
 from fedrl.store_client import PatchStoreClient
@@ -290,9 +289,7 @@ def train_steps(
             temperature=instr.temperature,
             logit_hook=noise,
         )
-        inject_bugs(batch, lm, "0" * task.max_answer_tokens, faults.bug_prob, rng)
-        score(task, batch)
-        corrupt_rewards(batch.rewards, faults.reward_noise_prob, rng)
+        perturb_and_score(batch, lm, task, faults, rng)
         metrics.append(lm_update(learner, lm.model, batch))
         runtime.pace(time.perf_counter() - step_start)
         if runtime.leaving() == "drop":  # the owner abandons the round: no more steps

@@ -117,6 +117,16 @@ def logit_noise_hook(sigma: float, generator: torch.Generator):
     return lambda logits: logits + sigma * torch.randn(logits.shape, generator=generator)
 
 
+def perturb_and_score(batch: Rollouts, lm: LoadedModel, task: Task, f: Frictions, rng) -> dict[str, int]:
+    """The frictions that act on a sampled batch, in order (bugs -> discoveries -> rewards ->
+    reward noise), on the model that sampled it (`lm`); returns how many rows each touched."""
+    counts = {"bugs": len(inject_bugs(batch, lm, "0" * task.max_answer_tokens, f.bug_prob, rng))}
+    counts["discoveries"] = len(inject_discoveries(batch, lm, lm.model, f.discovery_prob, rng))
+    score(task, batch)
+    counts["noisy_rewards"] = len(corrupt_rewards(batch.rewards, f.reward_noise_prob, rng))
+    return counts
+
+
 class Actor:
     """Produces scored rollouts for a learner, with the frictions applied.
 
@@ -129,7 +139,6 @@ class Actor:
         self.rng = np.random.default_rng(seed)
         self.generator = torch.Generator().manual_seed(seed)
         self.buffer = StalenessBuffer(frictions.staleness, frictions.staleness_uniform)
-        self.landmine = "0" * task.max_answer_tokens
         self.counts = collections.Counter()
 
     def sync(self, params: dict[str, torch.Tensor], version: int) -> None:
@@ -149,10 +158,5 @@ class Actor:
             version=version,
         )
         self.counts["rows"] += len(batch.answers)
-        self.counts["bugs"] += len(inject_bugs(batch, self.lm, self.landmine, f.bug_prob, self.rng))
-        self.counts["discoveries"] += len(
-            inject_discoveries(batch, self.lm, self.lm.model, f.discovery_prob, self.rng)
-        )
-        score(self.task, batch)
-        self.counts["noisy_rewards"] += len(corrupt_rewards(batch.rewards, f.reward_noise_prob, self.rng))
+        self.counts.update(perturb_and_score(batch, self.lm, self.task, f, self.rng))
         return batch
