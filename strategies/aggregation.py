@@ -157,6 +157,8 @@ def aggregate_block(
         weights = torch.tensor(
             [u.num_samples * u.weight * staleness_weight(u.staleness, config.alpha) for u in updates]
         )
+        if weights.sum() <= 0:  # no update may move the block
+            return {n: torch.zeros_like(deltas[0][n]) for n in names}
         weights = weights / weights.sum()
         return {n: sum(w * d[n] for w, d in zip(weights.tolist(), deltas)) for n in names}
     out = {}

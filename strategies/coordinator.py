@@ -165,11 +165,19 @@ class Coordinator:
             if cfg.gate_probe
             else None
         )
-        self.direction = (
-            DirectionCheck(self.adapter, self.task, cfg.direction_probe, cfg.direction_threshold, cfg.seed)
-            if cfg.direction_probe
-            else None
-        )
+        self.direction, self.direction_off = None, ""
+        if cfg.direction_probe:
+            try:
+                self.direction = DirectionCheck(
+                    self.adapter,
+                    self.task,
+                    cfg.direction_probe,
+                    cfg.direction_threshold,
+                    cfg.seed,
+                    cfg.direction_weighting,
+                )
+            except ValueError as err:  # a task whose targets are not answers (the digits bandit)
+                self.direction_off = str(err)
         self.reputation = Reputation()
         anchor_every = 1 if cfg.mode == "fedavg-lora" else cfg.anchor_every  # fedavg sends full adapters
         self.publisher = PatchPublisher(anchor_every=anchor_every, keep_recent=cfg.max_staleness + 2)
@@ -667,6 +675,7 @@ class Coordinator:
                 probe = {"cosine": round(cosine, 4)} | ({} if z is None else {"evidence": round(z, 3)})
                 if reason:
                     raise Rejected("direction", reason)
+                update.weight *= self.direction.weight(cosine)
             if self.gate:
                 before, after, reason = self.gate.check(self.version, self.global_state, delta)
                 probe |= {"probe_before": round(before, 4), "probe_after": round(after, 4)}
@@ -693,7 +702,7 @@ class Coordinator:
             block=r.upload_block,
             staleness=staleness,
             norm=round(update.norm, 6),
-            weight=round(weight, 4),
+            weight=round(update.weight, 4),
             **probe,
         )
         self.buffer.append(update)
@@ -812,6 +821,8 @@ class Coordinator:
         return round_open
 
     def run(self) -> dict:
+        if self.direction_off:
+            self.event("direction-off", reason=f"the direction check is off: {self.direction_off}")
         self.wait_for_nodes()
         if self.cfg.resume:
             self.resume()

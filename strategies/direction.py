@@ -12,6 +12,13 @@ below zero round after round. So each client accumulates evidence, z = mean(cos)
 sigma over its updates so far (sigma: a robust spread of every client's recent cosines), and an
 update is refused (cause `direction`) while z < -threshold. An honest client's z drifts up
 with n; a reversing one's down.
+
+Every accepted update is also weighted by its own cosine, max(cos, 0), as FLTrust weights
+updates by their cosine with a server update made on trusted data; this acts from a client's
+first update, where the refusal needs evidence first. A reversed update gets weight only when
+the honest update it reverses leaned away from the answers, and then it leans toward them; with
+updates clipped to the median norm (the default `clip-multiple = 1`) a flipper gains nothing by
+size either.
 """
 
 from __future__ import annotations
@@ -77,11 +84,19 @@ def robust_spread(values) -> float:
 
 
 class DirectionCheck:
-    def __init__(self, adapter: AdapterModel, task: Task, problems: int, threshold: float, seed: int):
-        self.adapter, self.threshold = adapter, threshold
+    def __init__(
+        self,
+        adapter: AdapterModel,
+        task: Task,
+        problems: int,
+        threshold: float,
+        seed: int,
+        weighting: str = "none",
+    ):
+        self.adapter, self.threshold, self.weighting = adapter, threshold, weighting
         probe = task.sample(problems, np.random.default_rng([seed, PROBE_SEED]))
         self.batch = reference_answers_batch(adapter, task, probe)
-        self.cached: tuple[tuple[int, tuple[str, ...]], dict[str, torch.Tensor]] | None = None
+        self.cached: tuple[int, dict[tuple[str, ...], dict[str, torch.Tensor]]] = (-1, {})
         self.records: dict[int, tuple[int, float]] = {}  # client id -> (updates, sum of their cosines)
         self.recent: collections.deque = collections.deque(maxlen=SPREAD_WINDOW)
         self.cpu_s, self.computed = 0.0, 0  # what the reference directions cost
@@ -96,8 +111,10 @@ class DirectionCheck:
 
     def reference(self, version: int, state: Mapping[str, torch.Tensor], names: list[str]) -> dict:
         """The gradient of log_prob w.r.t. `names` under `state`, once per version and block."""
-        key = (version, tuple(names))
-        if self.cached is None or self.cached[0] != key:
+        if self.cached[0] != version:  # every block's direction of the last version asked for
+            self.cached = (version, {})
+        key = tuple(names)
+        if key not in self.cached[1]:
             cpu = time.process_time()
             params = dict(self.adapter.lm.model.named_parameters())
             wanted = [params[n] for n in names]
@@ -111,10 +128,10 @@ class DirectionCheck:
             finally:
                 for n, p in params.items():
                     p.requires_grad_(flags[n])
-            self.cached = (key, {n: g.detach().float() for n, g in zip(names, grads)})
+            self.cached[1][key] = {n: g.detach().float() for n, g in zip(names, grads)}
             self.cpu_s += time.process_time() - cpu
             self.computed += 1
-        return self.cached[1]
+        return self.cached[1][key]
 
     def check(
         self, client: int, version: int, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
@@ -146,6 +163,12 @@ class DirectionCheck:
             f"direction is {total / count:+.3f} (z {z:.2f} < -{self.threshold:g}): its updates point "
             "away from the task's answers",
         )
+
+    def weight(self, cosine: float) -> float:
+        """An accepted update's weight in its block's mean (times its other weights)."""
+        if self.weighting == "cosine":
+            return max(cosine, 0.0)
+        return 1.0
 
     def state_dict(self) -> dict:
         return {"records": {str(k): list(v) for k, v in self.records.items()}, "recent": list(self.recent)}

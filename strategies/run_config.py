@@ -10,6 +10,8 @@ from pydantic import model_validator
 from fedrl.protocol import MODES, check_json, check_temperature, check_upload_density, check_wire_dtype
 from fedrl.schema import Schema
 
+WEIGHTINGS = ("cosine", "none")  # the direction check's weight of an accepted update: max(cos, 0), or 1
+
 
 class RunConfig(Schema):
     mode: str = "parablock"  # parablock | block-sequential | fedavg-lora
@@ -39,16 +41,23 @@ class RunConfig(Schema):
     upload_density: float = 1.0
     robust: str = "mean"  # mean | trimmed-mean | median
     clip_norm: float = 0.0  # a fixed per-update norm clip; 0: off
-    clip_multiple: float = 3.0  # adaptive clip: 3x the median norm of recent updates; 0: off
+    # adaptive clip: this many times the median norm of recent updates; 0: off. At 1 (the norm
+    # FLTrust scales every update to) an update reversed at the bound pulls no harder than one
+    # reversed at its own size, which the direction weighting below answers
+    clip_multiple: float = 1.0
     # refuse (not clip) an update over this many times the median norm of recent updates; 0: off
     refuse_multiple: float = 10.0
     # verification gate: score each update on this many probe problems before merging it; 0: off
     gate_probe: int = 0
     gate_tolerance: float = 0.05  # refuse an update that lowers the probe's mean reward by more than this
-    # direction check: refuse the updates of a client whose updates, over the rounds, point away from
-    # the gradient of the reference answers' log-prob on this many probe problems; 0: off ...
-    direction_probe: int = 0
-    direction_threshold: float = 1.5  # ... while its z (mean cosine * sqrt(n) / spread) is below -this
+    # direction check: the gradient of the reference answers' log-prob on this many probe problems
+    # (off, with a note in the log, for a task whose targets are not text answers); 0: off ...
+    direction_probe: int = 64
+    # ... refuses the updates of a client while its z (mean cosine * sqrt(n) / spread) is below -this
+    direction_threshold: float = 1.5
+    # ... and weighs each accepted update by max(its cosine, 0) (cosine) or not at all (none), in
+    # the weighted mean (robust = "mean"; the median and the trimmed mean weigh nothing)
+    direction_weighting: str = "cosine"
     reputation: bool = False  # weight each client's updates by its record of accepted and refused ones
     deadline_s: float = 300.0  # a round's deadline on the run's clock (stragglers past it are cut)
     watchdog_s: float = (
@@ -117,6 +126,10 @@ class RunConfig(Schema):
             raise ValueError(f"store_url must start with http:// or https://, got {self.store_url!r}")
         check_json(self.task_params, "task_params")
         check_wire_dtype(self.wire_dtype)
+        if self.direction_weighting not in WEIGHTINGS:
+            raise ValueError(
+                f"direction_weighting must be one of {WEIGHTINGS}, got {self.direction_weighting!r}"
+            )
         return self
 
     @property

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -177,3 +178,15 @@ def test_an_honest_update_smaller_than_half_the_way_back_is_never_refused(steps,
     nearest_older = min(update_norm({"w": states[steps]["w"] - states[v]["w"]}) for v in range(steps - 1))
     u = direction * (fraction * nearest_older / float(direction.norm()))
     assert older_base({"w": states[steps]["w"] + u}, steps, states) is None
+
+
+def test_a_block_whose_updates_all_weigh_nothing_stays_where_it_is():
+    """The direction weighting gives an update that points away from the answers weight 0; when
+    every update of a block does, the block does not move (0 / 0 would be NaN in every value)."""
+    honest, _, _ = honest_and_attackers(1.0)
+    nothing = [dataclasses.replace(u, weight=0.0) for u in honest]
+    out = aggregate_block(nothing, AggregationConfig())["w"]
+    assert torch.equal(out, torch.zeros_like(out))
+    # one update with weight: the block moves by exactly that update
+    one = [*nothing[:-1], dataclasses.replace(honest[-1], weight=0.3)]
+    assert torch.allclose(aggregate_block(one, AggregationConfig())["w"], honest[-1].delta["w"])

@@ -333,6 +333,10 @@ def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path)
     assert sum(e["cosine"] < -0.9 for e in mine) >= len(mine) - 1, mine
     refused = [e for e in mine if e["kind"] == "rejected"]
     assert len(refused) >= 2 and all(e["cause"] == "direction" for e in refused), mine
+    # until then its updates were merged at weight max(cos, 0): nothing; others' at their cosine
+    assert all(e["weight"] == 0 for e in mine if e["kind"] == "accepted" and e["cosine"] < 0), mine
+    others = [e for e in summary["events"] if e["kind"] == "accepted" and e["node"] != 1]
+    assert others and all(e["weight"] == pytest.approx(max(e["cosine"], 0), abs=1e-3) for e in others)
     assert mine[-1]["kind"] == "rejected" and "away from the task's answers" in mine[-1]["reason"]
     assert summary["versions"] >= 6
     from fedrl.strategies.checkpoint import load_checkpoints
@@ -340,6 +344,19 @@ def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path)
     _, _, meta = next(iter(load_checkpoints(tmp_path / "run" / "checkpoints")))
     client = next(e["client"] for e in summary["events"] if e["kind"] == "joined" and e["node"] == 1)
     assert meta["direction"]["records"][str(client)][0] == len(mine)
+
+
+def test_the_direction_check_is_off_with_a_note_for_a_task_without_text_answers(tmp_path):
+    """It is on by default; the digits bandit's targets are actions, not answers a reference
+    direction could be made of, so a run on it goes on without the check and says why."""
+    from fedrl.strategies.coordinator import Coordinator
+
+    with Coordinator(
+        FakeGrid(3, client_app), config(tmp_path, task="digits", task_params="{}")
+    ) as coordinator:
+        assert coordinator.direction is None and "needs text prompts" in coordinator.direction_off
+    with Coordinator(FakeGrid(3, client_app), config(tmp_path / "b")) as coordinator:
+        assert coordinator.direction is not None and coordinator.direction.weighting == "cosine"
 
 
 def test_a_resumed_run_keeps_the_held_out_evals_made_after_its_last_checkpoint(tmp_path):

@@ -87,6 +87,22 @@ def test_nothing_is_refused_before_the_spread_can_be_measured(adapter, reversal)
     assert first[0][0] == pytest.approx(-1.0, abs=1e-4)
 
 
+def test_an_update_weighs_its_cosine_with_the_reference_and_nothing_below_zero(adapter, reversal):
+    """FLTrust's weight: an accepted update's weight in its block's mean is max(cos, 0), so a
+    reversed honest-looking update weighs what the honest one would have weighed on the other
+    side, nothing; `none` weighs every update alike."""
+    state, names = dict(adapter.initial), adapter.part.names(1)
+    g = torch.Generator().manual_seed(1)
+    weighing = DirectionCheck(adapter, reversal, problems=8, threshold=1.5, seed=0, weighting="cosine")
+    ref = weighing.reference(0, state, names)
+    for lean in (0.3, 0.05, -0.05, -0.3):
+        cosine, _, _ = weighing.check(0, 0, state, leaning(ref, lean, g))
+        assert weighing.weight(cosine) == pytest.approx(max(cosine, 0.0))
+        assert (weighing.weight(cosine) > 0) == (lean > 0)
+    flat = DirectionCheck(adapter, reversal, problems=8, threshold=1.5, seed=0, weighting="none")
+    assert flat.weight(-0.3) == flat.weight(0.3) == 1.0
+
+
 def test_evidence_and_spread():
     assert evidence(4, -0.2, 0.05) == pytest.approx(-2.0)
     assert robust_spread([0.0, 0.0, 1.0, -1.0, 100.0]) == pytest.approx(1.4826)
@@ -99,3 +115,5 @@ def test_a_task_without_text_answers_and_bad_settings_are_refused(adapter):
         RunConfig(direction_probe=-1)
     with pytest.raises(ValueError, match="direction_threshold"):
         RunConfig(direction_threshold=-0.5)
+    with pytest.raises(ValueError, match="direction_weighting"):
+        RunConfig(direction_weighting="sign")

@@ -5,11 +5,13 @@ Families (`--families`, default all):
              (`flip`), x-3 (`flip-x3`: inside the norm refusal, at the clip), reversed at its
              own size (`ascent`: a valid patch of a harmful update), noise 100x its norm
              (`random`) or NaN (`nan`), under each aggregation rule (`mean`: no clip, no norm
-             refusal; the default `clip` with the norm refusal; trimmed mean; median; and
-             `gate`: the clip plus the verification gate and reputation weights) vs a clean
-             run with the same seed and rule. Block-sequential synchronous rounds, so every
-             update of a round lands in one block's aggregate; virtual clock, the real
-             ClientApp and coordinator in-process.
+             refusal; `clip`: the norm refusal and a clip at 3x the median; trimmed mean;
+             median; `gate`: the clip plus the verification gate and reputation weights, none
+             of these with the direction check; `default`: a run's defaults, the norm
+             refusal, a clip at the median and the direction check with its weights) vs a
+             clean run with the same seed and rule. Block-sequential synchronous rounds, so every
+             update of a round is merged in one version (the blocks' aggregates side by
+             side); virtual clock, the real ClientApp and coordinator in-process.
   churn      30% of the nodes leave (replies in flight lost), as many new ones join, the
              leavers return, in an async (parablock) and a sync (block-sequential) run, vs the
              same run without churn.
@@ -39,14 +41,15 @@ from fedrl.sim.simulated_server import SimConfig
 from fedrl.strategies.run_config import RunConfig
 
 FAMILIES = ("byzantine", "churn", "kill", "store", "fuzz")
-CLIP = dict(robust="mean", clip_multiple=3.0)
-RULES = {  # name: run config; "clip" is the default rule of a run
-    "mean": dict(robust="mean", clip_multiple=0.0, refuse_multiple=0.0),
+NO_DIRECTION = dict(direction_probe=0)
+CLIP = dict(NO_DIRECTION, robust="mean", clip_multiple=3.0)
+RULES = {  # name: run config over a run's defaults; "default" is the default rule of a run
+    "mean": dict(NO_DIRECTION, robust="mean", clip_multiple=0.0, refuse_multiple=0.0),
     "clip": CLIP,
-    "trimmed-mean": dict(robust="trimmed-mean", clip_multiple=3.0),
-    "median": dict(robust="median", clip_multiple=3.0),
+    "trimmed-mean": dict(CLIP, robust="trimmed-mean"),
+    "median": dict(CLIP, robust="median"),
     "gate": dict(CLIP, gate_probe=64, gate_tolerance=0.05, reputation=True),
-    "direction": dict(CLIP, direction_probe=64),
+    "default": {},
 }
 HONEST = {"name": "honest", "up_bytes_s": 1e6, "down_bytes_s": 4e6, "latency_s": 0.02}
 
@@ -57,7 +60,7 @@ def add_arguments(parser) -> None:
         "--clients", type=int, help="clients, a fifth of them attackers (default 10; quick 5)"
     )
     parser.add_argument("--versions", type=int, help="global versions per run (default 16; quick 6)")
-    parser.add_argument("--rules", nargs="+", choices=list(RULES), help="default: all; quick: clip gate")
+    parser.add_argument("--rules", nargs="+", choices=list(RULES), help="default: all; quick: default gate")
     parser.add_argument("--attacks", nargs="+", choices=ATTACKS[1:], default=list(ATTACKS[1:]))
     parser.add_argument("--kills", type=int, help="coordinator SIGKILLs (default 20; quick 3)")
     parser.add_argument("--mutations", type=int, help="fuzzed patches (default 20000; quick 2000)")
@@ -312,7 +315,7 @@ def fuzz(mutations: int, seed: int) -> list[dict]:
 def main(args) -> int:
     clients = args.clients or (5 if args.quick else 10)
     versions = args.versions or (6 if args.quick else 16)
-    rules = args.rules or (["clip", "gate"] if args.quick else list(RULES))
+    rules = args.rules or (["default", "gate"] if args.quick else list(RULES))
     base = RunConfig(
         mode="block-sequential",
         sync=True,
