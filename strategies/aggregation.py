@@ -4,14 +4,20 @@ global[b] += sum_i a_i * delta_i / sum_i a_i with a_i = n_i * (1 + tau_i) ** -al
 Each delta is first clipped to a norm bound: a fixed `clip_norm`, and/or `clip_multiple` times
 the median norm of recent updates (the caller's reference) and the ones at hand (adaptive, so it needs no
 tuning to the model's scale; one client scaling its update ×100 moves the result by at most
-its weight times that bound). An update far beyond its peers' norms (`refuse_multiple` times
-their median) is refused before it is queued: no honest round comes near it, so it is a bug or
-an attacker, and it goes on the client's record instead of being scaled down into the result.
-Pure functions over dicts of tensors; the coordinator owns the history of norms.
+its weight times that bound). The adaptive bound and the refusal compare norms per √step (an
+update's `unit_norm`): a fast client's update of 13 local steps is honestly 2.7x the norm of a
+slow client's 3 (tiny-gpt-base, mixed volunteers), and a bound at the median of raw norms cut
+most of what the fast clients learned. Steps come from the samples an update claims, within
+the round's cap, so a boaster gains at most √(max/base steps) = 2x room. An update far beyond
+its peers' norms (`refuse_multiple` times their median) is refused before it is queued: no
+honest round comes near it, so it is a bug or an attacker, and it goes on the client's record
+instead of being scaled down into the result. Pure functions over dicts of tensors; the
+coordinator owns the history of norms.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,10 +53,16 @@ class Update:
     num_samples: int
     staleness: int
     weight: float = 1.0  # the client's reputation (fedrl.strategies.reputation); 1: not weighed
+    steps: int = 1  # local optimizer steps behind the delta
     norm: float = field(init=False)  # of the delta: judged on arrival, logged, clipped at aggregation
 
     def __post_init__(self):
         self.norm = update_norm(self.delta)
+
+    @property
+    def unit_norm(self) -> float:
+        """The norm per √step, what the adaptive clip and the refusal compare."""
+        return self.norm / math.sqrt(max(self.steps, 1))
 
 
 def staleness_weight(staleness: int, alpha: float) -> float:
@@ -107,10 +119,10 @@ MIN_REFERENCE = 3  # norms of other updates needed before one can be called an o
 
 
 def outlier_reason(norm: float, reference: Sequence[float], config: AggregationConfig) -> str | None:
-    """Why an update of this norm is refused next to the `reference` norms (recent updates,
-    clipped, and those queued with it), or None. Honest updates of one run stay within a few
-    times their median (2.5x at most of 3,760 in the chaos benchmark; the scheduler gives no
-    client more than max-steps / base-steps = 4x the median steps); ×100 does not."""
+    """Why an update of this unit norm (per √step) is refused next to the `reference` unit norms
+    (recent updates, clipped, and those queued with it), or None. Honest updates of one run stay
+    within a few times their median (2.5x at most of 3,760 raw norms in the chaos benchmark);
+    ×100 does not."""
     if not config.refuse_multiple or len(reference) < MIN_REFERENCE:
         return None
     median = statistics.median(reference)
@@ -118,7 +130,7 @@ def outlier_reason(norm: float, reference: Sequence[float], config: AggregationC
         return None
     times = f"{norm / median:.0f}x" if median > 0 else "infinitely many times"
     return (
-        f"update norm {norm:.4g} is {times} the median {median:.4g} of recent updates "
+        f"update norm per √step {norm:.4g} is {times} the median {median:.4g} of recent updates "
         f"(refused beyond {config.refuse_multiple:g}x)"
     )
 
@@ -131,28 +143,35 @@ def clip_delta(delta: Mapping[str, torch.Tensor], max_norm: float) -> dict[str, 
 
 
 def norm_bound(
-    norms: Sequence[float], config: AggregationConfig, reference: Sequence[float] = ()
+    unit_norms: Sequence[float], config: AggregationConfig, reference: Sequence[float] = ()
 ) -> float | None:
-    """The largest norm an update may bring, given the norms of the updates at hand and the
-    clip's `reference` (the clipped norms of recent and concurrent updates): the fixed clip and
-    the adaptive one, whichever is smaller; None when neither is on."""
-    bounds = [config.clip_norm] if config.clip_norm else []
-    if config.clip_multiple:
-        bounds.append(config.clip_multiple * statistics.median([*reference, *norms]))
-    return min(bounds) if bounds else None
+    """The adaptive clip's bound per √step, given the unit norms of the updates at hand and the
+    clip's `reference` (the clipped unit norms of recent and concurrent updates); None when off."""
+    if not config.clip_multiple:
+        return None
+    return config.clip_multiple * statistics.median([*reference, *unit_norms])
+
+
+def clip_limit(update: Update, config: AggregationConfig, bound: float | None) -> float:
+    """The largest norm `update` may bring: the fixed clip, and the adaptive `bound` (per √step,
+    from norm_bound) times √ its steps, whichever is smaller; inf when neither is on."""
+    limits = [config.clip_norm or math.inf]
+    if bound is not None:
+        limits.append(bound * math.sqrt(max(update.steps, 1)))
+    return min(limits)
 
 
 def aggregate_block(
     updates: list[Update], config: AggregationConfig, bound: float | None = None
 ) -> dict[str, torch.Tensor]:
     """The combined delta for one block (every update must name the same tensors), each delta
-    first clipped to `bound` (from norm_bound; None: no clip)."""
+    first clipped to its clip_limit (`bound` from norm_bound; None: only the fixed clip)."""
     if not updates:
         raise ValueError("no updates to aggregate")
     names = set(updates[0].delta)
     if any(set(u.delta) != names for u in updates):
         raise ValueError("updates of one block name different tensors")
-    deltas = [u.delta if bound is None else clip_delta(u.delta, bound) for u in updates]
+    deltas = [clip_delta(u.delta, clip_limit(u, config, bound)) for u in updates]
     if config.robust == "mean":
         weights = torch.tensor(
             [u.num_samples * u.weight * staleness_weight(u.staleness, config.alpha) for u in updates]

@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import json
 import logging
+import math
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ from fedrl.strategies.aggregation import (
     AggregationConfig,
     Update,
     aggregate_block,
+    clip_limit,
     norm_bound,
     older_base,
     outlier_reason,
@@ -159,7 +161,7 @@ class Coordinator:
             cfg.refuse_multiple,
             cfg.robust,
         )
-        self.recent_norms: collections.deque = collections.deque(maxlen=RECENT_NORMS)  # clipped norms
+        self.recent_norms: collections.deque = collections.deque(maxlen=RECENT_NORMS)  # clipped, per √step
         self.gate = (
             VerificationGate(self.adapter, self.task, cfg.gate_probe, cfg.gate_tolerance, cfg.seed)
             if cfg.gate_probe
@@ -314,7 +316,7 @@ class Coordinator:
             "counts": self.counts,
             "in_flight": len(self.in_flight),
             "evals": self.evals,
-            "recent_norms": list(self.recent_norms),
+            "recent_unit_norms": list(self.recent_norms),
             "reputation": self.reputation.state_dict(),
             "direction": self.direction.state_dict() if self.direction else {},
             "rounds": {str(node): n for node, n in self.rounds.items()},  # seeds of clients' sampling
@@ -341,8 +343,8 @@ class Coordinator:
         self.scheduler.load_state_dict(meta["scheduler"])
         self.members.load_state_dict(meta.get("members", {"ids": []}))
         self.evals = meta.get("evals", [])
-        if isinstance(meta.get("recent_norms"), list):
-            self.recent_norms.extend(float(n) for n in meta["recent_norms"])
+        if isinstance(meta.get("recent_unit_norms"), list):  # older ones kept raw norms: dropped
+            self.recent_norms.extend(float(n) for n in meta["recent_unit_norms"])
         self.reputation.load_state_dict(meta.get("reputation", {}))
         if self.direction:
             self.direction.load_state_dict(meta.get("direction", {}))
@@ -654,12 +656,14 @@ class Coordinator:
                 )
             delta = {n: new[n].float() - base[n].float() for n in names}
             weight = self.reputation.weight(client) if self.cfg.reputation else 1.0
-            update = Update(node, r.upload_block, delta, r.upload_samples, staleness, weight)
+            # the steps behind it, from the samples it claims (capped above at max_steps)
+            steps = max(1, r.upload_samples // (self.cfg.prompts * self.cfg.samples))
+            update = Update(node, r.upload_block, delta, r.upload_samples, staleness, weight, steps)
             reason = rejection_reason(update, self.agg)
             if reason:
                 raise Rejected("update", reason)
-            queued = [u.norm for u in self.buffer]
-            reason = outlier_reason(update.norm, [*self.recent_norms, *queued], self.agg)
+            queued = [u.unit_norm for u in self.buffer]
+            reason = outlier_reason(update.unit_norm, [*self.recent_norms, *queued], self.agg)
             if reason:
                 raise Rejected("norm", reason)
             older = older_base(new, r.upload_base_version, self.publisher.retained())
@@ -721,7 +725,7 @@ class Coordinator:
             else:
                 by_block.setdefault(u.block, []).append(u)
         new_state = dict(self.global_state)  # tensors are replaced, never mutated (lazy checkpoint copies)
-        norms = {b: [u.norm for u in us] for b, us in by_block.items()}
+        norms = {b: [u.unit_norm for u in us] for b, us in by_block.items()}
         clipped, kept = 0, []
         for block, updates in by_block.items():
             # the clip's reference: recent norms and this aggregation's other updates, of any block
@@ -732,8 +736,9 @@ class Coordinator:
             bound = norm_bound(norms[block], self.agg, reference)
             for name, delta in aggregate_block(updates, self.agg, bound).items():
                 new_state[name] = self.global_state[name] + delta
-            clipped += sum(bound is not None and n > bound for n in norms[block])
-            kept += [min(n, bound or float("inf")) for n in norms[block]]
+            limits = [clip_limit(u, self.agg, bound) for u in updates]
+            clipped += sum(u.norm > limit for u, limit in zip(updates, limits))
+            kept += [min(u.norm, limit) / math.sqrt(u.steps) for u, limit in zip(updates, limits)]
             self.scheduler.record_update(block, self.version + 1)
         failpoint("aggregate")
         self.recent_norms.extend(kept)

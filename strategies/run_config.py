@@ -41,11 +41,12 @@ class RunConfig(Schema):
     upload_density: float = 1.0
     robust: str = "mean"  # mean | trimmed-mean | median
     clip_norm: float = 0.0  # a fixed per-update norm clip; 0: off
-    # adaptive clip: this many times the median norm of recent updates; 0: off. At 1 (the norm
-    # FLTrust scales every update to) an update reversed at the bound pulls no harder than one
-    # reversed at its own size, which the direction weighting below answers
+    # adaptive clip: this many times the median norm per √step of recent updates, times √ the
+    # update's steps; 0: off. At 1 (the norm FLTrust scales every update to) an update reversed
+    # at the bound pulls no harder than one reversed at its own size, which the direction
+    # weighting below answers; per √step, so a fast client's longer round is not cut to a slow one's
     clip_multiple: float = 1.0
-    # refuse (not clip) an update over this many times the median norm of recent updates; 0: off
+    # refuse (not clip) an update over this many times that median (per √step); 0: off
     refuse_multiple: float = 10.0
     # verification gate: score each update on this many probe problems before merging it; 0: off
     gate_probe: int = 0

@@ -11,6 +11,7 @@ from fedrl.strategies.aggregation import (
     Update,
     aggregate_block,
     clip_delta,
+    clip_limit,
     norm_bound,
     older_base,
     outlier_reason,
@@ -96,6 +97,26 @@ def test_the_adaptive_clip_bounds_20_percent_scaled_or_flipped_attackers(scale):
     clipped = aggregate_block(honest + attackers, cfg, bound)["w"]
     assert float((plain - mean).norm() / mean.norm()) > 15
     assert float((clipped - 0.8 * mean).norm()) <= 0.2 * bound + 1e-6
+
+
+def test_the_adaptive_clip_scales_with_the_square_root_of_an_updates_steps():
+    """A fast client's 16 steps bring 4x the norm of a slow client's 1 honestly; at the median
+    per √step it is untouched, while a 1-step update of the same norm is cut to the median."""
+    cfg = AggregationConfig(clip_multiple=1.0)
+    slow = [dataclasses.replace(upd(1.0, node=i), steps=1) for i in range(3)]
+    fast = dataclasses.replace(upd(4.0, node=3), steps=16)
+    boaster = dataclasses.replace(upd(4.0, node=4), steps=1)
+    assert fast.norm == pytest.approx(4 * slow[0].norm) and fast.unit_norm == pytest.approx(slow[0].unit_norm)
+    bound = norm_bound([u.unit_norm for u in [*slow, fast, boaster]], cfg)
+    assert bound == pytest.approx(slow[0].norm)  # the median unit norm
+    assert clip_limit(fast, cfg, bound) == pytest.approx(4 * bound)
+    assert torch.equal(aggregate_block([fast], cfg, bound)["w"], fast.delta["w"])  # bit for bit
+    cut = aggregate_block([boaster], cfg, bound)["w"]
+    assert float(cut.norm()) == pytest.approx(bound, rel=1e-6)
+    # the fixed clip still caps every update, whatever its steps
+    capped = AggregationConfig(clip_multiple=1.0, clip_norm=0.5 * fast.norm)
+    assert clip_limit(fast, capped, bound) == pytest.approx(0.5 * fast.norm)
+    assert clip_limit(fast, AggregationConfig(), None) == math.inf
 
 
 @settings(max_examples=30, deadline=None)

@@ -1,5 +1,7 @@
 """The async and scale benchmarks' measuring pieces (the benchmarks themselves are commands)."""
 
+import pytest
+
 from fedrl.sim.bench.async_rounds import time_to_target
 from fedrl.sim.bench.scale import run_case
 
@@ -130,6 +132,26 @@ def test_bench_methods_on_a_scenario_takes_its_clients_and_budget_with_overrides
         "old-laptop",
     ]
     assert setting["scenario"] == "smollm2-addition"
+
+
+def test_bench_methods_friction_setup_takes_rule_overrides_and_refuses_unknown_keys():
+    import argparse
+
+    from fedrl.schema import SchemaError
+    from fedrl.sim.bench.methods import friction_setup
+
+    flags = dict(
+        buggy=0.25, noisy=0.25, strength=0.3, stale=0.0, actor_staleness=8, mismatched=0.0, logit_noise=1.0
+    )
+    flags |= dict(clients=None, budget_s=None, target=0.15, quick=False, model="tiny-gpt-base", lr=1e-4)
+    base, *_ = friction_setup(argparse.Namespace(**flags, set=None))
+    assert base.clip_multiple == 1.0 and base.direction_probe == 64  # the default rule
+    old_rule = ["clip-multiple=3", "direction_probe=0"]
+    base, _, _, setting, _ = friction_setup(argparse.Namespace(**flags, set=old_rule))
+    assert base.clip_multiple == 3.0 and base.direction_probe == 0 and base.lr == 1e-4
+    assert setting["overrides"] == {"clip_multiple": 3, "direction_probe": 0}
+    with pytest.raises(SchemaError, match="no_such_key"):
+        friction_setup(argparse.Namespace(**flags, set=["no_such_key=1"]))
 
 
 def test_samples_to_target_counts_every_step_the_clients_ran_before_the_eval():

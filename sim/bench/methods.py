@@ -119,7 +119,11 @@ def add_arguments(parser) -> None:
         "are added and runs do not stop at the target) instead of the friction setup",
     )
     parser.add_argument(
-        "--set", nargs="+", action="extend", metavar="KEY=VALUE", help="with --scenario: run config overrides"
+        "--set",
+        nargs="+",
+        action="extend",
+        metavar="KEY=VALUE",
+        help="run config overrides (e.g. the aggregation rule)",
     )
 
 
@@ -129,7 +133,7 @@ def friction_setup(args) -> tuple:
     budget = args.budget_s or (10.0 if args.quick else 60.0)
     base = bench_run_config(
         clients, budget, args.target, args.quick, model=args.model, lr=args.lr, deadline_s=20.0, eval_every=1
-    )
+    ).replace(**parse_overrides(args.set))
 
     def sim_for(seed: int) -> SimConfig:
         profiles = friction_profiles(clients, volunteer_frictions(args), seed)
@@ -142,6 +146,7 @@ def friction_setup(args) -> tuple:
         },
         "model": args.model,
         "lr": args.lr,
+        "overrides": parse_overrides(args.set),
     }
     return base, clients, sim_for, setting, f"{budget:g} virtual s"
 
@@ -164,8 +169,6 @@ def scenario_setup(args) -> tuple:
 
 
 def main(args) -> int:
-    if args.set and not args.scenario:
-        raise SystemExit("--set needs --scenario (the friction setup takes its own flags)")
     seeds = args.seeds or (1 if args.quick else 3)
     base, clients, sim_for, setting, budget = (scenario_setup if args.scenario else friction_setup)(args)
     runs = runs_dir(args.out)
