@@ -60,9 +60,14 @@ class Update:
         self.norm = update_norm(self.delta)
 
     @property
+    def root_steps(self) -> float:
+        """√steps: honest norms grow about so with a round's steps (random-walk-like)."""
+        return math.sqrt(max(self.steps, 1))
+
+    @property
     def unit_norm(self) -> float:
         """The norm per √step, what the adaptive clip and the refusal compare."""
-        return self.norm / math.sqrt(max(self.steps, 1))
+        return self.norm / self.root_steps
 
 
 def staleness_weight(staleness: int, alpha: float) -> float:
@@ -157,7 +162,7 @@ def clip_limit(update: Update, config: AggregationConfig, bound: float | None) -
     from norm_bound) times √ its steps, whichever is smaller; inf when neither is on."""
     limits = [config.clip_norm or math.inf]
     if bound is not None:
-        limits.append(bound * math.sqrt(max(update.steps, 1)))
+        limits.append(bound * update.root_steps)
     return min(limits)
 
 

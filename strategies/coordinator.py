@@ -16,7 +16,6 @@ import collections
 import dataclasses
 import json
 import logging
-import math
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -738,7 +737,7 @@ class Coordinator:
                 new_state[name] = self.global_state[name] + delta
             limits = [clip_limit(u, self.agg, bound) for u in updates]
             clipped += sum(u.norm > limit for u, limit in zip(updates, limits))
-            kept += [min(u.norm, limit) / math.sqrt(u.steps) for u, limit in zip(updates, limits)]
+            kept += [min(u.norm, limit) / u.root_steps for u, limit in zip(updates, limits)]
             self.scheduler.record_update(block, self.version + 1)
         failpoint("aggregate")
         self.recent_norms.extend(kept)
