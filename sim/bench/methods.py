@@ -131,9 +131,10 @@ def friction_setup(args) -> tuple:
     """(base config, clients, seed -> SimConfig, what the runs share): the buggy/noisy federation."""
     clients = args.clients or (4 if args.quick else 8)
     budget = args.budget_s or (10.0 if args.quick else 60.0)
+    overrides = parse_overrides(args.set)
     base = bench_run_config(
         clients, budget, args.target, args.quick, model=args.model, lr=args.lr, deadline_s=20.0, eval_every=1
-    ).replace(**parse_overrides(args.set))
+    ).replace(**overrides)
 
     def sim_for(seed: int) -> SimConfig:
         profiles = friction_profiles(clients, volunteer_frictions(args), seed)
@@ -146,7 +147,7 @@ def friction_setup(args) -> tuple:
         },
         "model": args.model,
         "lr": args.lr,
-        "overrides": parse_overrides(args.set),
+        "overrides": overrides,
     }
     return base, clients, sim_for, setting, f"{budget:g} virtual s"
 
