@@ -125,7 +125,7 @@ MIN_REFERENCE = 3  # norms of other updates needed before one can be called an o
 
 def outlier_reason(norm: float, reference: Sequence[float], config: AggregationConfig) -> str | None:
     """Why an update of this unit norm (per √step) is refused next to the `reference` unit norms
-    (recent updates, clipped, and those queued with it), or None. Honest updates of one run stay
+    (recent accepted updates and those queued with it), or None. Honest updates of one run stay
     within a few times their median (2.5x at most of 3,760 raw norms in the chaos benchmark);
     ×100 does not."""
     if not config.refuse_multiple or len(reference) < MIN_REFERENCE:
@@ -151,7 +151,7 @@ def norm_bound(
     unit_norms: Sequence[float], config: AggregationConfig, reference: Sequence[float] = ()
 ) -> float | None:
     """The adaptive clip's bound per √step, given the unit norms of the updates at hand and the
-    clip's `reference` (the clipped unit norms of recent and concurrent updates); None when off."""
+    clip's `reference` (the unit norms of recent accepted and concurrent updates); None when off."""
     if not config.clip_multiple:
         return None
     return config.clip_multiple * statistics.median([*reference, *unit_norms])

@@ -1,4 +1,5 @@
 import json
+import statistics
 
 import pytest
 from fake_grid import FakeGrid, report_of, small_config, with_report
@@ -252,31 +253,36 @@ def test_a_node_claiming_more_samples_than_a_round_yields_is_rejected(tmp_path):
     assert summary["versions"] >= 2 and summary["counts"]["accepted"] >= 2
 
 
-def test_an_update_far_beyond_its_peers_norms_is_refused_not_clipped_in(tmp_path):
-    """Node 1 hands in its honest update x100 as a valid patch: with a norm 100x its peers' it
-    is refused (cause `norm`) and goes on its record; the honest nodes carry the run."""
+def rescaled_upload(grid, node: int, msg, reply, factor: float):
+    """Node `node`'s reply with its upload replaced by a valid patch of its delta times `factor`."""
     from fedrl.patch import apply_patch, encode_patch
     from fedrl.store_client import BlockingStoreClient
 
+    instr, report = msg.content["instruction"], report_of(reply)
+    held = grid.held(node)
+    names = [n for n in held if f".layers.{report['upload_block']}." in n]
+    base = {n: held[n].float() for n in names}
+    store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
+    try:
+        honest = apply_patch(base, store.get(report["upload_key"]))
+        scaled = {n: base[n] + factor * (honest[n] - base[n]) for n in names}
+        key = store.put(
+            encode_patch(base, scaled, report["upload_base_version"], report["upload_base_version"])
+        )
+    finally:
+        store.close()
+    return with_report(msg, reply, upload_key=key)
+
+
+def test_an_update_far_beyond_its_peers_norms_is_refused_not_clipped_in(tmp_path):
+    """Node 1 hands in its honest update x100 as a valid patch: with a norm 100x its peers' it
+    is refused (cause `norm`) and goes on its record; the honest nodes carry the run."""
     grid = None
 
     def script(node, msg, reply):
         if reply.has_error() or node != 1 or not report_of(reply)["upload_key"]:
             return reply
-        instr, report = msg.content["instruction"], report_of(reply)
-        held = grid.held(1)
-        names = [n for n in held if f".layers.{report['upload_block']}." in n]
-        base = {n: held[n].float() for n in names}
-        store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
-        try:
-            honest = apply_patch(base, store.get(report["upload_key"]))
-            scaled = {n: base[n] + 100 * (honest[n] - base[n]) for n in names}
-            key = store.put(
-                encode_patch(base, scaled, report["upload_base_version"], report["upload_base_version"])
-            )
-        finally:
-            store.close()
-        return with_report(msg, reply, upload_key=key)
+        return rescaled_upload(grid, node, msg, reply, 100.0)
 
     grid = FakeGrid(4, client_app, script)
     cfg = config(tmp_path, mode="block-sequential", sync=True, versions=4, reputation=True)
@@ -288,6 +294,29 @@ def test_an_update_far_beyond_its_peers_norms_is_refused_not_clipped_in(tmp_path
     assert summary["versions"] >= 4
     client = str(next(e["client"] for e in summary["events"] if e["kind"] == "joined" and e["node"] == 1))
     assert summary["reputation"][client] < 0.5  # refusals count against it
+
+
+def test_norms_that_grow_for_everyone_are_followed_not_refused(tmp_path):
+    """Every node's update grows 1.6x per version (as top-k uploads with error feedback grow
+    while their residuals fill up): the clip's median follows the accepted norms, so no honest
+    update is refused. A history of clipped norms never rose above its first median and
+    refused everything from the sixth version on."""
+    grid = None
+
+    def script(node, msg, reply):
+        if reply.has_error() or not report_of(reply)["upload_key"]:
+            return reply
+        return rescaled_upload(grid, node, msg, reply, 1.6 ** msg.content["instruction"]["version"])
+
+    grid = FakeGrid(4, client_app, script)
+    summary = run_coordinator(grid, config(tmp_path, mode="block-sequential", sync=True, versions=8))
+    rejected = [e["reason"] for e in summary["events"] if e["kind"] == "rejected"]
+    assert not rejected, rejected
+    norms = {}
+    for e in summary["events"]:
+        if e["kind"] == "accepted":
+            norms.setdefault(e["version"], []).append(e["norm"])
+    assert summary["versions"] == 8 and statistics.median(norms[7]) > 10 * statistics.median(norms[0])
 
 
 def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path):

@@ -1,5 +1,7 @@
 """The async and scale benchmarks' measuring pieces (the benchmarks themselves are commands)."""
 
+import json
+
 import pytest
 
 from fedrl.sim.bench.async_rounds import time_to_target
@@ -34,11 +36,12 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
     keep = tmp_path / "results"
     keep.mkdir()
     (keep / "precious.txt").write_text("mine")
-    runs, step_s = [], []
+    runs, step_s, clips = [], [], []
 
     def fake_simulate(cfg, sim, clients, engine):  # the folder handling is under test, not the training
         runs.append(cfg.out_dir)
         step_s.append(sim.step_s)
+        clips.append(cfg.clip_multiple)
         evals = [{"t": 0.0, "error": 0.7}, {"t": 1.0, "error": 0.2}]
         return {
             "evals": evals,
@@ -70,6 +73,7 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
         wire_dtype="bfloat16",
         strategies=list(async_rounds.STRATEGIES),
         step_s=0.0,
+        set=None,
     )
     assert async_rounds.main(args) == 0
     assert step_s[0] == 0.0 and set(step_s[1:]) == {0.1}  # the first run's measurement is everyone's
@@ -78,6 +82,10 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
     assert (keep / "precious.txt").read_text() == "mine"
     assert (keep / "bench-async.json").exists() and len(set(runs)) == 2 * len(async_rounds.STRATEGIES)
     assert all(run.startswith(str(keep / "bench-async-runs-")) for run in runs)  # a new folder of its own
+    assert set(clips) == {1.0}  # the default rule
+    assert async_rounds.main(argparse.Namespace(**{**vars(args), "set": ["clip-multiple=3"]})) == 0
+    assert set(clips[len(runs) - len(async_rounds.STRATEGIES) :]) == {3.0}  # every strategy's rule
+    assert json.loads((keep / "bench-async.json").read_text())["overrides"] == {"clip_multiple": 3}
 
 
 def test_two_benchmark_invocations_within_one_second_get_folders_of_their_own(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from pathlib import Path
 from fedrl.bench.common import write_json
 from fedrl.protocol import WIRE_DTYPES
 from fedrl.sim.report import write_report
-from fedrl.sim.runner import simulate
+from fedrl.sim.runner import parse_overrides, simulate
 from fedrl.sim.simulated_server import SimConfig
 from fedrl.strategies.run_config import RunConfig
 
@@ -58,6 +58,7 @@ def add_arguments(parser) -> None:
         help="the dtype versions travel in, for every strategy (fedavg-lora's whole adapters too)",
     )
     add_step_s_argument(parser)
+    add_set_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=["local", "ray"], default="local")
 
@@ -73,6 +74,16 @@ def add_step_s_argument(parser) -> None:
         default=0.0,
         help="seconds of one learner step at speed 1 (0: measured once, in the first run); fix it "
         "to compare invocations: the measurement follows the machine's load",
+    )
+
+
+def add_set_argument(parser) -> None:
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        action="extend",
+        metavar="KEY=VALUE",
+        help="run config overrides for every run (e.g. the aggregation rule)",
     )
 
 
@@ -115,6 +126,7 @@ def main(args) -> int:
     clients = args.clients or (6 if args.quick else 12)
     budget = args.budget_s or (12.0 if args.quick else 300.0)
     sim = SimConfig(profiles=args.profile, clock="virtual")
+    overrides = parse_overrides(args.set)
     base = bench_run_config(
         clients,
         budget,
@@ -126,7 +138,7 @@ def main(args) -> int:
         eval_every=2 if args.quick else 1,
         seed=args.seed,
         wire_dtype=args.wire_dtype,
-    )
+    ).replace(**overrides)
     start = time.perf_counter()
     results, step_s = [], args.step_s
     runs = runs_dir(args.out)
@@ -181,6 +193,7 @@ def main(args) -> int:
             "engine": args.engine,
             "upload_density": args.upload_density,
             "wire_dtype": args.wire_dtype,
+            "overrides": overrides,
             "wall_s": time.perf_counter() - start,
             "strategies": results,
         },

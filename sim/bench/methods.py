@@ -19,7 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from fedrl.bench.common import write_json
-from fedrl.sim.bench.async_rounds import add_step_s_argument, bench_run_config, runs_dir, time_to_target
+from fedrl.sim.bench.async_rounds import (
+    add_set_argument,
+    add_step_s_argument,
+    bench_run_config,
+    runs_dir,
+    time_to_target,
+)
 from fedrl.sim.profiles import mix
 from fedrl.sim.report import write_report
 from fedrl.sim.runner import parse_overrides, simulate
@@ -118,13 +124,7 @@ def add_arguments(parser) -> None:
         help="run the methods on this scenario (its clients, model, task and budget; no frictions "
         "are added and runs do not stop at the target) instead of the friction setup",
     )
-    parser.add_argument(
-        "--set",
-        nargs="+",
-        action="extend",
-        metavar="KEY=VALUE",
-        help="run config overrides (e.g. the aggregation rule)",
-    )
+    add_set_argument(parser)
 
 
 def friction_setup(args) -> tuple:
