@@ -740,7 +740,7 @@ class Coordinator:
         failpoint("aggregate")
         # as they arrived, not clipped: a clipped norm is at most the median, so a history of
         # them could never rise with honest norms that grow (top-k uploads' error feedback
-        # grew 3.4x in 15 virtual s, and the stuck median refused 125 of 346 replies);
+        # grew 3.4x in 15 virtual s, and the stuck median refused over a third of the replies);
         # the median of accepted norms moves only as far as the honest majority's own norms
         self.recent_norms.extend(n for ns in norms.values() for n in ns)
         self.global_state, self.version = new_state, self.version + 1
