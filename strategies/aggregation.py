@@ -8,8 +8,14 @@ its weight times that bound). The adaptive bound and the refusal compare norms p
 update's `unit_norm`): a fast client's update of 13 local steps is honestly 2.7x the norm of a
 slow client's 3 (tiny-gpt-base, mixed volunteers), and a bound at the median of raw norms cut
 most of what the fast clients learned. Steps come from the samples an update claims, within
-the round's cap, so a boaster gains at most √(max/base steps) = 2x room. An update far beyond
-its peers' norms (`refuse_multiple` times their median) is refused before it is queued: no
+the round's cap, so a boaster gains at most √(max/base steps) = 2x room. A top-k upload with
+error feedback is measured per step of every round its client trained the block, not per √step
+of one: its residual gathers the coordinates that keep one sign round after round, so its honest
+norm grows about linearly with them (in one run, medians over each quarter: norm / steps stayed
+within 0.0033-0.0043 while the norms grew 16x and norm / √steps 2x; at the median per √step of
+one round 81% of such uploads were clipped, each losing what the clip cut); there a boaster
+that claims the round's cap every time gains at most max/base steps = 4x room. An update far
+beyond its peers' norms (`refuse_multiple` times their median) is refused before it is queued: no
 honest round comes near it, so it is a bug or an attacker, and it goes on the client's record
 instead of being scaled down into the result. Pure functions over dicts of tensors; the
 coordinator owns the history of norms.
@@ -53,21 +59,24 @@ class Update:
     num_samples: int
     staleness: int
     weight: float = 1.0  # the client's reputation (fedrl.strategies.reputation); 1: not weighed
-    steps: int = 1  # local optimizer steps behind the delta
+    steps: int = 1  # local optimizer steps behind the delta (error feedback: all its rounds' on the block)
+    feedback: bool = False  # a top-k upload with error feedback (its residual carries older rounds)
     norm: float = field(init=False)  # of the delta: judged on arrival, logged, clipped at aggregation
 
     def __post_init__(self):
         self.norm = update_norm(self.delta)
 
     @property
-    def root_steps(self) -> float:
-        """√steps: honest norms grow about so with a round's steps (random-walk-like)."""
-        return math.sqrt(max(self.steps, 1))
+    def scale(self) -> float:
+        """How an honest norm grows with the steps behind it: about √steps for one round's delta
+        (a fresh Adam's steps add like a random walk), about linearly for an error-feedback upload."""
+        steps = max(self.steps, 1)
+        return float(steps) if self.feedback else math.sqrt(steps)
 
     @property
     def unit_norm(self) -> float:
-        """The norm per √step, what the adaptive clip and the refusal compare."""
-        return self.norm / self.root_steps
+        """The norm per unit of `scale`, what the adaptive clip and the refusal compare."""
+        return self.norm / self.scale
 
 
 def staleness_weight(staleness: int, alpha: float) -> float:
@@ -124,7 +133,7 @@ MIN_REFERENCE = 3  # norms of other updates needed before one can be called an o
 
 
 def outlier_reason(norm: float, reference: Sequence[float], config: AggregationConfig) -> str | None:
-    """Why an update of this unit norm (per √step) is refused next to the `reference` unit norms
+    """Why an update of this unit norm (per unit of its scale) is refused next to the `reference` unit norms
     (recent accepted updates and those queued with it), or None. Honest updates of one run stay
     within a few times their median (2.5x at most of 3,760 raw norms in the chaos benchmark);
     ×100 does not."""
@@ -135,7 +144,7 @@ def outlier_reason(norm: float, reference: Sequence[float], config: AggregationC
         return None
     times = f"{norm / median:.0f}x" if median > 0 else "infinitely many times"
     return (
-        f"update norm per √step {norm:.4g} is {times} the median {median:.4g} of recent updates "
+        f"update unit norm {norm:.4g} is {times} the median {median:.4g} of recent updates "
         f"(refused beyond {config.refuse_multiple:g}x)"
     )
 
@@ -150,7 +159,7 @@ def clip_delta(delta: Mapping[str, torch.Tensor], max_norm: float) -> dict[str, 
 def norm_bound(
     unit_norms: Sequence[float], config: AggregationConfig, reference: Sequence[float] = ()
 ) -> float | None:
-    """The adaptive clip's bound per √step, given the unit norms of the updates at hand and the
+    """The adaptive clip's bound per unit of scale, given the unit norms of the updates at hand and the
     clip's `reference` (the unit norms of recent accepted and concurrent updates); None when off."""
     if not config.clip_multiple:
         return None
@@ -158,11 +167,11 @@ def norm_bound(
 
 
 def clip_limit(update: Update, config: AggregationConfig, bound: float | None) -> float:
-    """The largest norm `update` may bring: the fixed clip, and the adaptive `bound` (per √step,
-    from norm_bound) times √ its steps, whichever is smaller; inf when neither is on."""
+    """The largest norm `update` may bring: the fixed clip, and the adaptive `bound` (per unit,
+    from norm_bound) times its scale, whichever is smaller; inf when neither is on."""
     limits = [config.clip_norm or math.inf]
     if bound is not None:
-        limits.append(bound * update.root_steps)
+        limits.append(bound * update.scale)
     return min(limits)
 
 

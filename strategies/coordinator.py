@@ -160,7 +160,9 @@ class Coordinator:
             cfg.refuse_multiple,
             cfg.robust,
         )
-        self.recent_norms: collections.deque = collections.deque(maxlen=RECENT_NORMS)  # accepted, per √step
+        self.recent_norms: collections.deque = collections.deque(maxlen=RECENT_NORMS)  # accepted unit norms
+        # top-k uploads: the steps of every upload of a (client id, block) so far, which its residual carries
+        self.feedback_steps: dict[tuple[int, int], int] = {}
         self.gate = (
             VerificationGate(self.adapter, self.task, cfg.gate_probe, cfg.gate_tolerance, cfg.seed)
             if cfg.gate_probe
@@ -316,6 +318,7 @@ class Coordinator:
             "in_flight": len(self.in_flight),
             "evals": self.evals,
             "recent_unit_norms": list(self.recent_norms),
+            "feedback_steps": [[client, block, n] for (client, block), n in self.feedback_steps.items()],
             "reputation": self.reputation.state_dict(),
             "direction": self.direction.state_dict() if self.direction else {},
             "rounds": {str(node): n for node, n in self.rounds.items()},  # seeds of clients' sampling
@@ -344,6 +347,7 @@ class Coordinator:
         self.evals = meta.get("evals", [])
         if isinstance(meta.get("recent_unit_norms"), list):  # older ones kept raw norms: dropped
             self.recent_norms.extend(float(n) for n in meta["recent_unit_norms"])
+        self.feedback_steps = {(int(c), int(b)): int(n) for c, b, n in meta.get("feedback_steps", [])}
         self.reputation.load_state_dict(meta.get("reputation", {}))
         if self.direction:
             self.direction.load_state_dict(meta.get("direction", {}))
@@ -655,9 +659,14 @@ class Coordinator:
                 )
             delta = {n: new[n].float() - base[n].float() for n in names}
             weight = self.reputation.weight(client) if self.cfg.reputation else 1.0
-            # the steps behind it, from the samples it claims (capped above at max_steps)
+            # the steps behind it, from the samples it claims (capped above at max_steps); a top-k
+            # upload also carries what its residual kept from the client's earlier rounds on the block
             steps = max(1, r.upload_samples // (self.cfg.prompts * self.cfg.samples))
-            update = Update(node, r.upload_block, delta, r.upload_samples, staleness, weight, steps)
+            feedback = self.cfg.upload_density < 1
+            if feedback:
+                key = (client, r.upload_block)
+                steps = self.feedback_steps[key] = self.feedback_steps.get(key, 0) + steps
+            update = Update(node, r.upload_block, delta, r.upload_samples, staleness, weight, steps, feedback)
             reason = rejection_reason(update, self.agg)
             if reason:
                 raise Rejected("update", reason)
@@ -704,6 +713,7 @@ class Coordinator:
             node=node,
             block=r.upload_block,
             staleness=staleness,
+            steps=update.steps,
             norm=round(update.norm, 6),
             weight=round(update.weight, 4),
             **probe,

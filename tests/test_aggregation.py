@@ -119,6 +119,30 @@ def test_the_adaptive_clip_scales_with_the_square_root_of_an_updates_steps():
     assert clip_limit(fast, AggregationConfig(), None) == math.inf
 
 
+def test_an_error_feedback_upload_is_measured_per_step_of_all_its_rounds():
+    """Top-k uploads whose residuals have gathered 10, 20 and 40 steps bring norms 1, 2 and 4,
+    as error feedback's do: at the median per step each passes bit for bit, where per √step the
+    older ones would be cut. A round's delta of the same steps and norm keeps the √ scale."""
+    cfg = AggregationConfig(clip_multiple=1.0)
+    uploads = [
+        dataclasses.replace(upd(v, node=i), steps=s, feedback=True)
+        for i, (v, s) in enumerate([(1, 10), (2, 20), (4, 40)])
+    ]
+    assert [u.scale for u in uploads] == [10.0, 20.0, 40.0]
+    assert len({round(u.unit_norm, 12) for u in uploads}) == 1
+    bound = norm_bound([u.unit_norm for u in uploads], cfg)
+    for u in uploads:
+        assert torch.equal(aggregate_block([u], cfg, bound)["w"], u.delta["w"])
+    per_root_step = [dataclasses.replace(u, feedback=False) for u in uploads]
+    assert per_root_step[2].scale == pytest.approx(math.sqrt(40))
+    root_bound = norm_bound([u.unit_norm for u in per_root_step], cfg)
+    assert clip_limit(per_root_step[2], cfg, root_bound) < per_root_step[2].norm  # would be cut
+    # an upload twice its step count's share is still cut to it
+    boaster = dataclasses.replace(upd(8, node=3), steps=40, feedback=True)
+    cut = aggregate_block([boaster], cfg, bound)["w"]
+    assert float(cut.norm()) == pytest.approx(uploads[2].norm, rel=1e-6)
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 2**31 - 1))
 def test_the_adaptive_clip_leaves_honest_updates_bit_identical(seed):

@@ -427,6 +427,35 @@ def test_top_k_uploads_are_sparse_patches_and_the_rest_stays_with_the_client(tmp
     assert any(float(t.abs().max()) > 0 for t in residual.values())
 
 
+def test_top_k_uploads_are_measured_by_the_steps_of_all_their_clients_rounds_on_the_block(tmp_path):
+    """With error feedback an upload carries what the client's earlier rounds on its block left
+    in the residual: the clip measures it by the steps of every upload of that client and block
+    so far, the tally is checkpointed, and a resumed run goes on counting; dense uploads keep
+    their own round's steps."""
+    from fedrl.strategies.checkpoint import load_checkpoints
+
+    def steps_by_upload(summary):
+        clients = {e["node"]: e["client"] for e in summary["events"] if e["kind"] == "joined"}
+        seen = {}
+        for e in summary["events"]:
+            if e["kind"] == "accepted":
+                seen.setdefault((clients[e["node"]], e["block"]), []).append(e["steps"])
+        return seen
+
+    cfg = config(tmp_path, versions=6, upload_density=0.05)
+    first = steps_by_upload(run_coordinator(FakeGrid(3, client_app), cfg))
+    assert any(len(s) >= 2 for s in first.values()), first
+    for steps in first.values():  # a running tally: each upload adds its round's 1-4 steps
+        assert all(0 < b - a <= 4 for a, b in zip(steps, steps[1:])), first
+    _, _, meta = next(iter(load_checkpoints(tmp_path / "run" / "checkpoints")))
+    tally = {(c, b): n for c, b, n in meta["feedback_steps"]}
+    assert tally and all(tally[k] >= s[-1] for k, s in first.items() if k in tally)
+    second = steps_by_upload(run_coordinator(FakeGrid(3, client_app), cfg.replace(versions=9)))
+    assert any(k in tally and s[0] > tally[k] for k, s in second.items()), (tally, second)
+    dense = steps_by_upload(run_coordinator(FakeGrid(3, client_app), config(tmp_path / "dense", versions=6)))
+    assert all(1 <= n <= 4 for steps in dense.values() for n in steps), dense
+
+
 def test_an_update_made_on_an_old_state_and_labelled_with_the_current_base_is_refused(tmp_path):
     """A liar about its base (node 1 uploads its block as it was at v0, labelled with the base it
     was sent): measured against that base it would roll the block back, so it is refused."""

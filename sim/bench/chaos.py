@@ -36,7 +36,8 @@ from pathlib import Path
 from fedrl.bench.common import write_json
 from fedrl.patch import PatchLimits
 from fedrl.sim.attacks import ATTACKS
-from fedrl.sim.runner import simulate
+from fedrl.sim.bench.async_rounds import add_set_argument
+from fedrl.sim.runner import parse_overrides, simulate
 from fedrl.sim.simulated_server import SimConfig
 from fedrl.strategies.run_config import RunConfig
 
@@ -71,6 +72,7 @@ def add_arguments(parser) -> None:
         help="byzantine runs per rule and attack, with seeds SEED, SEED+1, ... (default 3; quick 1): "
         "one eval problem moves a run's kept improvement by about 1.5%%",
     )
+    add_set_argument(parser)
 
 
 def attackers(clients: int, attack: str) -> int:
@@ -316,6 +318,7 @@ def main(args) -> int:
     clients = args.clients or (5 if args.quick else 10)
     versions = args.versions or (6 if args.quick else 16)
     rules = args.rules or (["default", "gate"] if args.quick else list(RULES))
+    overrides = parse_overrides(args.set)  # under each rule's own settings
     base = RunConfig(
         mode="block-sequential",
         sync=True,
@@ -334,7 +337,7 @@ def main(args) -> int:
         eval_every=1,
         min_nodes=clients,
         seed=args.seed,
-    )
+    ).replace(**overrides)
     out = Path(args.out)
     runs = out.parent / f"{out.stem}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
     start, faults, store_latency = time.perf_counter(), [], None
@@ -360,6 +363,7 @@ def main(args) -> int:
             "families": args.families,
             "rules": rules,
             "byzantine_seeds": seeds,
+            "overrides": overrides,
             "faults": faults,
             "byzantine_kept": kept_over_seeds(faults),
             "store": store_latency,
