@@ -781,10 +781,14 @@ def apply_patch(
     patch: bytes,
     base_hash: str | None = None,
     limits: PatchLimits = PatchLimits(),
+    in_place: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Verify `patch` against `base` and return the target tensors (new objects; base untouched).
+    """Verify `patch` against `base` and return the target tensors: new objects, base untouched;
+    with `in_place`, the base's own tensors where they can take the changes (what a chain of
+    patches does to a state it owns: no copy of the whole state per link).
 
-    Raises a PatchError subclass naming the reason for anything that does not verify.
+    Raises a PatchError subclass naming the reason for anything that does not verify; the base
+    is then as it was, bit for bit, in place or not.
     """
     header, sections = _open(patch, limits)
     base = {} if header.is_anchor else (base or {})
@@ -799,17 +803,23 @@ def apply_patch(
     parts = [_checked_sections(spec, e, cursor, header.is_anchor) for spec, e in zip(specs, header.tensors)]
     if cursor.pos != len(sections):
         raise CorruptPatch(f"{len(sections) - cursor.pos} bytes of the body belong to no tensor")
-    decoded = {
-        spec[0]: _decode_tensor(spec, e, base.get(spec[0]), p)
-        for spec, e, p in zip(specs, header.tensors, parts)
-    }
-    for name in base.keys() - decoded.keys():  # unchanged: a copy of the base's own
-        t = base[name].detach().clone(memory_format=torch.contiguous_format)
-        decoded[name] = t, tensor_digest(name, t)
-    if combine_digests({name: digest for name, (_, digest) in decoded.items()}) != header.target_hash:
-        raise TargetMismatch(
-            f"reconstructed state does not hash to v{header.target_version}'s {header.target_hash[:12]}"
-        )
+    undo: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (bits, positions, old values)
+    try:
+        decoded = {
+            spec[0]: _decode_tensor(spec, e, base.get(spec[0]), p, in_place, undo)
+            for spec, e, p in zip(specs, header.tensors, parts)
+        }
+        for name in base.keys() - decoded.keys():  # unchanged: the base's own, or a copy of it
+            t = base[name] if in_place else base[name].detach().clone(memory_format=torch.contiguous_format)
+            decoded[name] = t, tensor_digest(name, t)
+        if combine_digests({name: digest for name, (_, digest) in decoded.items()}) != header.target_hash:
+            raise TargetMismatch(
+                f"reconstructed state does not hash to v{header.target_version}'s {header.target_hash[:12]}"
+            )
+    except BaseException:
+        for bits, positions, old in reversed(undo):
+            bits[positions] = old
+        raise
     return {name: t for name, (t, _) in sorted(decoded.items())}
 
 
@@ -846,9 +856,16 @@ def _checked_sections(spec: _Spec, e: dict, sections: _Sections, anchor: bool) -
 
 
 def _decode_tensor(
-    spec: _Spec, e: dict, b: torch.Tensor | None, parts: dict[str, memoryview]
+    spec: _Spec,
+    e: dict,
+    b: torch.Tensor | None,
+    parts: dict[str, memoryview],
+    in_place: bool = False,
+    undo: list | None = None,
 ) -> tuple[torch.Tensor, bytes]:
-    """One tensor rebuilt from its sections, and its digest (taken while it is in cache)."""
+    """One tensor rebuilt from its sections, and its digest (taken while it is in cache). In
+    place, the changes go into `b` itself (when contiguous) and each scatter's old values onto
+    `undo`, so that a later failure can put them back."""
     name, dtype, shape = spec
     mode, count, is_float = e["mode"], e["count"], dtype.is_floating_point
     np_dtype = _BITS[dtype][1]
@@ -857,8 +874,10 @@ def _decode_tensor(
             raise CorruptPatch(f"{name}: dense section has the wrong size")
         t = from_bits(_array(parts["values"], np_dtype).copy(), dtype, shape)
     else:
-        t = b.detach().clone(memory_format=torch.contiguous_format)
+        own = in_place and b.is_contiguous()
+        t = b.detach() if own else b.detach().clone(memory_format=torch.contiguous_format)
         bits = to_bits(t)  # a view: the scatters write into t
+        undo = undo if own and undo is not None else []
         near_changed = _near_changes(name, bits, dtype, e, parts) if mode == "tiered" else bits[:0]
         far = count - near_changed.size
         if far < 0:
@@ -866,18 +885,19 @@ def _decode_tensor(
         idx = decode_indices(parts["index"], e["index_width"], parts["index_escapes"], far, t.numel())
         if mode == "tiered" and np.any(is_near(bits[idx], dtype, e["below"])):
             raise CorruptPatch(f"{name}: a change listed by position lies in the near tier")
-        bits[idx] = decode_values(
-            e["values_as"], e["value_width"], parts["values"], parts["value_escapes"], bits[idx], is_float
+        old = bits[idx]
+        changed = decode_values(
+            e["values_as"], e["value_width"], parts["values"], parts["value_escapes"], old, is_float
         )
+        undo.append((bits, idx, old))
+        bits[idx] = changed
         if mode == "tiered":  # decoded even when empty: its sections must then be empty too
-            bits[near_changed] = decode_values(
-                e["near_as"],
-                e["near_width"],
-                parts["near_values"],
-                parts["near_escapes"],
-                bits[near_changed],
-                True,
+            old = bits[near_changed]
+            changed = decode_values(
+                e["near_as"], e["near_width"], parts["near_values"], parts["near_escapes"], old, True
             )
+            undo.append((bits, near_changed, old))
+            bits[near_changed] = changed
     return t, tensor_digest(name, t)
 
 

@@ -60,7 +60,9 @@ def synchronize(
     """Reach `target` by the cheapest plan that verifies; returns the state and the plan used.
 
     A plan whose fetch fails (OSError) or whose patch does not verify (PatchError) is abandoned
-    and the next is tried; the held state is never modified."""
+    and the next is tried; the held state is never modified. Past a plan's first link the state
+    is the plan's own: later links apply in place, and each starts from the hash the last one
+    verified rather than hashing the state again."""
     if held_version == target and held is not None:
         return dict(held), []
     errors = []
@@ -68,11 +70,12 @@ def synchronize(
     for plan in sync_plans(refs, held_version if held else None, target):
         state, known_hash = (held, held_hash) if plan[0].base_version is not None else (None, None)
         try:
-            for ref in plan:
+            for i, ref in enumerate(plan):
                 data = fetch(ref)
-                check_labels(read_header(data), ref)
-                state = apply_patch(state, data, base_hash=known_hash)
-                known_hash = None
+                header = read_header(data)
+                check_labels(header, ref)
+                state = apply_patch(state, data, base_hash=known_hash, in_place=i > 0)
+                known_hash = header.target_hash  # apply_patch verified that the state hashes to it
             return state, plan
         except (PatchError, OSError) as err:
             errors.append(f"v{plan[0].base_version}->v{target} via {len(plan)} patch(es): {err}")

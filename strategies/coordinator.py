@@ -64,6 +64,7 @@ from fedrl.strategies.aggregation import (
     Update,
     aggregate_block,
     clip_limit,
+    feedback_window,
     norm_bound,
     older_base,
     outlier_reason,
@@ -161,8 +162,8 @@ class Coordinator:
             cfg.robust,
         )
         self.recent_norms: collections.deque = collections.deque(maxlen=RECENT_NORMS)  # accepted unit norms
-        # top-k uploads: the steps of every upload of a (client id, block) so far, which its residual carries
-        self.feedback_steps: dict[tuple[int, int], int] = {}
+        # top-k uploads: the steps of the latest uploads of a (client id, block), which its residual carries
+        self.feedback_steps: dict[tuple[int, int], collections.deque] = {}
         self.gate = (
             VerificationGate(self.adapter, self.task, cfg.gate_probe, cfg.gate_tolerance, cfg.seed)
             if cfg.gate_probe
@@ -318,7 +319,7 @@ class Coordinator:
             "in_flight": len(self.in_flight),
             "evals": self.evals,
             "recent_unit_norms": list(self.recent_norms),
-            "feedback_steps": [[client, block, n] for (client, block), n in self.feedback_steps.items()],
+            "feedback_steps": [[c, b, list(steps)] for (c, b), steps in self.feedback_steps.items()],
             "reputation": self.reputation.state_dict(),
             "direction": self.direction.state_dict() if self.direction else {},
             "rounds": {str(node): n for node, n in self.rounds.items()},  # seeds of clients' sampling
@@ -347,7 +348,10 @@ class Coordinator:
         self.evals = meta.get("evals", [])
         if isinstance(meta.get("recent_unit_norms"), list):  # older ones kept raw norms: dropped
             self.recent_norms.extend(float(n) for n in meta["recent_unit_norms"])
-        self.feedback_steps = {(int(c), int(b)): int(n) for c, b, n in meta.get("feedback_steps", [])}
+        self.feedback_steps = {  # older checkpoints kept one running total
+            (int(c), int(b)): self.feedback_rounds(n if isinstance(n, list) else [n])
+            for c, b, n in meta.get("feedback_steps", [])
+        }
         self.reputation.load_state_dict(meta.get("reputation", {}))
         if self.direction:
             self.direction.load_state_dict(meta.get("direction", {}))
@@ -664,8 +668,9 @@ class Coordinator:
             steps = max(1, r.upload_samples // (self.cfg.prompts * self.cfg.samples))
             feedback = self.cfg.upload_density < 1
             if feedback:
-                key = (client, r.upload_block)
-                steps = self.feedback_steps[key] = self.feedback_steps.get(key, 0) + steps
+                rounds = self.feedback_steps.setdefault((client, r.upload_block), self.feedback_rounds([]))
+                rounds.append(steps)
+                steps = sum(rounds)
             update = Update(node, r.upload_block, delta, r.upload_samples, staleness, weight, steps, feedback)
             reason = rejection_reason(update, self.agg)
             if reason:
@@ -719,6 +724,9 @@ class Coordinator:
             **probe,
         )
         self.buffer.append(update)
+
+    def feedback_rounds(self, steps: list) -> collections.deque:
+        return collections.deque((int(n) for n in steps), maxlen=feedback_window(self.cfg.upload_density))
 
     def aggregate(self) -> None:
         if not self.buffer:

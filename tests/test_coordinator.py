@@ -427,12 +427,14 @@ def test_top_k_uploads_are_sparse_patches_and_the_rest_stays_with_the_client(tmp
     assert any(float(t.abs().max()) > 0 for t in residual.values())
 
 
-def test_top_k_uploads_are_measured_by_the_steps_of_all_their_clients_rounds_on_the_block(tmp_path):
-    """With error feedback an upload carries what the client's earlier rounds on its block left
-    in the residual: the clip measures it by the steps of every upload of that client and block
-    so far, the tally is checkpointed, and a resumed run goes on counting; dense uploads keep
-    their own round's steps."""
-    from fedrl.strategies.checkpoint import load_checkpoints
+def test_top_k_uploads_are_measured_by_the_steps_of_their_clients_latest_rounds_on_the_block(tmp_path):
+    """With error feedback an upload carries what the client's latest rounds on its block left
+    in the residual: the clip measures it by the steps of the last `feedback_window` uploads of
+    that client and block (2 at 15%), which are checkpointed, and a resumed run goes on from
+    them (from an older checkpoint's running total too); dense uploads keep their own round's."""
+    import json
+
+    from fedrl.strategies.aggregation import feedback_window
 
     def steps_by_upload(summary):
         clients = {e["node"]: e["client"] for e in summary["events"] if e["kind"] == "joined"}
@@ -442,16 +444,28 @@ def test_top_k_uploads_are_measured_by_the_steps_of_all_their_clients_rounds_on_
                 seen.setdefault((clients[e["node"]], e["block"]), []).append(e["steps"])
         return seen
 
-    cfg = config(tmp_path, versions=6, upload_density=0.05)
+    def rounds_of(steps, before=0):  # each upload's own round: what it adds to the one before
+        rounds = [steps[0] - before]
+        for s in steps[1:]:
+            rounds.append(s - rounds[-1])
+        return rounds
+
+    assert feedback_window(0.15) == 2
+    cfg = config(tmp_path, versions=6, upload_density=0.15)
     first = steps_by_upload(run_coordinator(FakeGrid(3, client_app), cfg))
-    assert any(len(s) >= 2 for s in first.values()), first
-    for steps in first.values():  # a running tally: each upload adds its round's 1-4 steps
-        assert all(0 < b - a <= 4 for a, b in zip(steps, steps[1:])), first
-    _, _, meta = next(iter(load_checkpoints(tmp_path / "run" / "checkpoints")))
-    tally = {(c, b): n for c, b, n in meta["feedback_steps"]}
-    assert tally and all(tally[k] >= s[-1] for k, s in first.items() if k in tally)
+    assert any(len(s) >= 3 for s in first.values()), first
+    assert all(1 <= r <= 4 for s in first.values() for r in rounds_of(s)), first
+    manifest = max((tmp_path / "run" / "checkpoints").glob("ckpt-*.json"))
+    record = json.loads(manifest.read_text())
+    windows = {(c, b): n for c, b, n in record["meta"]["feedback_steps"]}
+    assert windows and all(len(n) <= 2 and sum(n) in first[k] for k, n in windows.items()), (windows, first)
+    # an older checkpoint kept one running total per client and block: resumed as one round's
+    record["meta"]["feedback_steps"] = [[c, b, 100] for c, b in windows]
+    manifest.write_text(json.dumps(record))
     second = steps_by_upload(run_coordinator(FakeGrid(3, client_app), cfg.replace(versions=9)))
-    assert any(k in tally and s[0] > tally[k] for k, s in second.items()), (tally, second)
+    resumed = [s for k, s in second.items() if k in windows]
+    assert resumed and all(1 <= r <= 4 for s in resumed for r in rounds_of(s, before=100)), second
+    assert any(len(s) >= 2 and s[1] <= 8 for s in resumed), second  # the total left the window
     dense = steps_by_upload(run_coordinator(FakeGrid(3, client_app), config(tmp_path / "dense", versions=6)))
     assert all(1 <= n <= 4 for steps in dense.values() for n in steps), dense
 

@@ -313,13 +313,38 @@ def tiered_case(draw):
 
 @settings(max_examples=120, deadline=None)
 @given(tiered_case())
-def test_any_near_tier_is_bit_identical(case):
+def test_any_near_tier_is_bit_identical_into_new_tensors_and_in_place(case):
     base, new, below = case
     with mock.patch.object(fedrl.patch, "choose_near_tier", return_value=below):
         patch = encode_patch(base, new, 0, 1)
     assert bits_equal(apply_patch(base, patch), new)
     entries = read_header(patch).tensors
     assert not entries or entries[0]["mode"] in ("tiered", "dense")
+    storage = base["w"].data_ptr()
+    out = apply_patch(base, patch, in_place=True)
+    assert bits_equal(out, new)
+    # a dense entry is a new tensor; every other form writes into the base's own storage
+    assert (out["w"].data_ptr() == storage) == (not entries or entries[0]["mode"] != "dense")
+
+
+def test_in_place_puts_every_change_back_when_the_patch_does_not_verify():
+    base, new = optimizer_step(1 << 14, 3e-7)  # tiered: near and far scatters both happen
+    base["b"], new["b"] = torch.arange(50.0), torch.arange(50.0) + (torch.arange(50) % 7 == 0)
+    patch = encode_patch(base, new, 0, 1)
+    assert {e["mode"] for e in read_header(patch).tensors} == {"tiered", "sparse"}
+    snapshot = {k: v.clone() for k, v in base.items()}
+    wrong = {k: v.clone() for k, v in base.items()}
+    wrong["b"][-2] += 1  # a value the patch leaves: every scatter lands, then the hash refuses
+    held = {k: v.clone() for k, v in wrong.items()}
+    with pytest.raises(TargetMismatch):
+        apply_patch(wrong, patch, base_hash=state_hash(base), in_place=True)
+    assert bits_equal(wrong, held)
+    body = bytearray(body_of(patch))
+    body[-1] ^= 0x01  # the last tensor's values: the first tensor is already written when it fails
+    with pytest.raises(PatchError):
+        apply_patch(base, rewrap(bytes(body)), in_place=True)
+    assert bits_equal(base, snapshot)
+    assert bits_equal(apply_patch(base, patch, in_place=True), new)
 
 
 def tiered_patch(base: torch.Tensor, below: int, near_flags: bytes, far: list[int], count: int) -> bytes:

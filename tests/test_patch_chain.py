@@ -1,11 +1,15 @@
 import hashlib
+from unittest import mock
 
 import pytest
 import torch
 
+import fedrl.patch
+import fedrl.patch_chain
 from fedrl.patch import read_header, state_hash
 from fedrl.patch_chain import PatchPublisher, SyncFailed, in_catalog, synchronize
 from fedrl.patch_routes import PatchRef, cheapest_path, routes_in, sync_plans
+from fedrl.sim.patch_fuzz import bits_equal
 
 
 def states(n):
@@ -130,6 +134,23 @@ def test_corrupted_or_missing_patch_falls_back_to_the_next_plan():
     del store.objects[gone.key]
     with pytest.raises(SyncFailed, match="no way to reach v9"):
         synchronize(hist[6], 6, 9, store.refs, store.fetch)
+
+
+def test_a_chain_hashes_the_held_state_once_and_applies_its_later_links_in_place():
+    pub, store, hist = publish_all(9)
+    chain = [r for r in store.refs if r.base_version is None or r.target_version == r.base_version + 1]
+    held = {k: v.clone() for k, v in hist[5].items()}
+    with (
+        mock.patch.object(fedrl.patch_chain, "state_hash", wraps=state_hash) as held_hashes,
+        mock.patch.object(fedrl.patch, "state_hash", wraps=state_hash) as base_hashes,
+        mock.patch.object(fedrl.patch_chain, "apply_patch", wraps=fedrl.patch.apply_patch) as applies,
+    ):
+        state, plan = synchronize(held, 5, 9, chain, store.fetch)
+    assert [r.target_version for r in plan] == [6, 7, 8, 9]
+    assert state_hash(state) == state_hash(hist[9]) and bits_equal(held, hist[5])
+    # the held state hashed once; each later link starts from the hash the last one verified
+    assert held_hashes.call_count == 1 and base_hashes.call_count == 0
+    assert [c.kwargs["in_place"] for c in applies.call_args_list] == [False, True, True, True]
 
 
 def test_wrong_held_state_is_detected_not_applied():

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from fedrl.bench.pulse import bf16_trajectory, measure, sparse_summary, table
+from fedrl.bench.pulse import bf16_trajectory, chain_speed, measure, sparse_summary, table
 from fedrl.models import load_model
 from fedrl.patch import encode_patch, read_header, to_bits
 from fedrl.tasks import ReversalTask
@@ -28,4 +28,6 @@ def test_pulse_rows_match_the_patches_they_describe():
         assert pair["tiered_tensors"] == sum(e["mode"] == "tiered" for e in read_header(patch).tensors)
         assert pair["encode_mb_s"] > 0 and pair["decode_mb_s"] > 0 and pair["memcpy_mb_s"] > 0
     assert "tiny-full" in table([case])
+    chain = chain_speed("tiny-full", 1e-3, traj, level=1, repeats=1)  # it checks the state it reached
+    assert chain["links"] == 4 and chain["sync_ms"] > 0 and chain["copying_ms"] > 0
     assert sparse_summary([case], at_least=0.0).startswith("tiny-full:")

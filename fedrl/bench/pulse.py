@@ -21,6 +21,8 @@ from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.lora import LoraSettings, add_lora
 from fedrl.models import load_model
 from fedrl.patch import apply_patch, encode_patch, read_header, state_hash, to_bits
+from fedrl.patch_chain import synchronize
+from fedrl.patch_routes import PatchRef
 from fedrl.rollout import rollout, score
 from fedrl.tasks import AdditionTask, ReversalTask
 
@@ -157,6 +159,38 @@ def throughput(base: dict, new: dict, level: int, dense: int, repeats: int = 3) 
     }
 
 
+def chain_speed(name: str, lr: float, traj: list[dict], level: int, repeats: int = 5) -> dict:
+    """Milliseconds to sync from the first state to the last through every one-step patch, as
+    a node that fell behind does (`synchronize`: links after the first in place, each from the
+    hash the last one verified), beside applying each link into new tensors from a re-hashed
+    base (what synchronize did before); medians over `repeats`, one thread."""
+    refs, objects = [], {}
+    for v in range(1, len(traj)):
+        data = encode_patch(traj[v - 1], traj[v], v - 1, v, level=level)
+        objects[str(v)] = data
+        refs.append(PatchRef(v - 1, v, len(data), str(v)))
+    last = len(traj) - 1
+
+    def copying():
+        state = traj[0]
+        for ref in refs:
+            state = apply_patch(state, objects[ref.key])
+        return state
+
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            state = fn()
+            times.append(time.perf_counter() - start)
+        if state_hash(state) != state_hash(traj[last]):
+            raise RuntimeError(f"{name}: the chain did not rebuild the last state")
+        return 1e3 * float(np.median(times))
+
+    sync_ms = median_ms(lambda: synchronize(traj[0], 0, last, refs, lambda ref: objects[ref.key])[0])
+    return {"name": name, "lr": lr, "links": len(refs), "sync_ms": sync_ms, "copying_ms": median_ms(copying)}
+
+
 def tiny_cases(lrs, ks, steps, level) -> list[dict]:
     task = ReversalTask(length=8)
     cases = []
@@ -181,8 +215,9 @@ def lora_cases(lrs, ks, steps, level) -> list[dict]:
     return cases
 
 
-def smollm2_cases(lrs, ks, steps, level, layers=range(0, 6)) -> list[dict]:
-    """Full-weight updates of one block of layers of SmolLM2-135M at RL learning rates."""
+def smollm2_cases(lrs, ks, steps, level, chains: list, layers=range(0, 6)) -> list[dict]:
+    """Full-weight updates of one block of layers of SmolLM2-135M at RL learning rates; each
+    trajectory's chain sync speed goes onto `chains`."""
     task = AdditionTask()
     cases = []
     for lr in lrs:
@@ -191,6 +226,7 @@ def smollm2_cases(lrs, ks, steps, level, layers=range(0, 6)) -> list[dict]:
         params = {n: p for n, p in lm.model.named_parameters() if n.startswith(prefixes)}
         traj = bf16_trajectory(lm, task, params, lr, steps, 4, 4, 0, f"smollm2 block lr={lr:g}")
         cases += [measure("smollm2-135m-block", lr, k, traj, level, timed=True) for k in ks if k < len(traj)]
+        chains.append(chain_speed("smollm2-135m-block", lr, traj, level))
     return cases
 
 
@@ -269,23 +305,30 @@ def plot(cases: list[dict], path) -> None:
 def main(args) -> int:
     torch.set_num_threads(1)
     chosen = set(args.cases or (["tiny", "lora"] if args.quick else ["tiny", "lora", "smollm2"]))
+    chains: list[dict] = []
     if args.quick:
         ks = [1, 4, 8]
         cases = tiny_cases([1e-6, 1e-4], ks, 8, args.level) if "tiny" in chosen else []
         cases += lora_cases([1e-4], ks, 8, args.level) if "lora" in chosen else []
-        cases += smollm2_cases([3e-6], [1, 2], 4, args.level) if "smollm2" in chosen else []
+        cases += smollm2_cases([3e-6], [1, 2], 4, args.level, chains) if "smollm2" in chosen else []
     else:
         ks = [1, 2, 4, 8, 16, 32]
         cases = tiny_cases([1e-6, 3e-6, 1e-5, 1e-4], ks, 64, args.level) if "tiny" in chosen else []
         cases += lora_cases([1e-5, 1e-4, 1e-3], ks, 64, args.level) if "lora" in chosen else []
         ks_smol = [k for k in ks if k < args.smollm2_steps]
         if "smollm2" in chosen:
-            cases += smollm2_cases([1e-6, 3e-6], ks_smol, args.smollm2_steps, args.level)
+            cases += smollm2_cases([1e-6, 3e-6], ks_smol, args.smollm2_steps, args.level, chains)
     out = write_json(
-        {"benchmark": "pulse", "quick": args.quick, "level": args.level, "cases": cases}, args.out
+        {"benchmark": "pulse", "quick": args.quick, "level": args.level, "cases": cases, "chains": chains},
+        args.out,
     )
     plot(cases, out.with_suffix(".png"))
     print(table(cases))
     print(sparse_summary(cases))
+    for c in chains:
+        print(
+            f"{c['name']} lr={c['lr']:g}: sync through {c['links']} one-step patches {c['sync_ms']:.0f} ms "
+            f"(each link into new tensors from a re-hashed base: {c['copying_ms']:.0f} ms)"
+        )
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
