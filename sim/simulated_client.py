@@ -53,10 +53,14 @@ class SimulatedRuntime(Runtime):
         return sum(link.virtual_s for link in comm.links) if comm else 0.0
 
     def landed(self, comm: CommResult, steps_done: int) -> bool:
-        # on the virtual clock the patch lands once the steps so far outlast the link's seconds
-        return comm.done.is_set() and (
-            not self.virtual or steps_done * self.step_v >= self.link_seconds(comm)
-        )
+        if not self.virtual:
+            return comm.done.is_set()
+        # on the virtual clock the patch lands once the steps so far outlast the link's seconds,
+        # whatever the comm thread's wall clock: a loaded machine would otherwise correct a step
+        # later now and then, and one seed's run would not repeat (fedavg-lora's 12th round
+        # differed). The thread's real transfer is milliseconds over loopback: waiting costs that.
+        comm.done.wait()
+        return steps_done * self.step_v >= self.link_seconds(comm)
 
     def timing(self, overlapped, compute, steps, before, after, start) -> Timing:
         if not self.virtual:

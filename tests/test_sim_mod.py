@@ -68,3 +68,29 @@ def test_a_bad_stamp_is_a_clear_error_reply():
     msg = _message({"name": "x", "speed": "fast"})
     reply = simulated_client(msg, _context(), lambda m, c: None)
     assert reply.has_error() and "speed: Input should be a valid number" in reply.error.reason
+
+
+def test_on_the_virtual_clock_a_patch_lands_by_virtual_time_not_by_the_comm_threads_wall_clock():
+    """A loaded machine's comm thread may still be busy when compute reaches the step at which
+    its transfer ends in virtual time: the correction must still come at that step, or one
+    seed's run would not repeat. On the real clock, the thread's progress is what counts."""
+    import threading
+
+    from fedrl.clients.runtime import CommResult
+    from fedrl.sim.link import make_link
+    from fedrl.sim.profiles import ClientProfile
+    from fedrl.sim.simulated_client import SimulatedRuntime
+
+    profile = ClientProfile(latency_s=2.5)  # the transfer: 2.5 virtual s, 2.5 steps of 1 s
+
+    def comm_finishing_late() -> CommResult:
+        comm = CommResult()
+        link = make_link(profile.link, virtual=True)
+        link.virtual_s = 2.5
+        threading.Timer(0.3, lambda: (comm.links.append(link), comm.done.set())).start()
+        return comm
+
+    virtual = SimulatedRuntime(profile, virtual=True, step_s=1.0)
+    assert virtual.landed(comm_finishing_late(), steps_done=3)  # waits for the thread: landed by step 3
+    assert not virtual.landed(comm_finishing_late(), steps_done=2)  # not yet at step 2
+    assert not SimulatedRuntime(profile, virtual=False, step_s=1.0).landed(comm_finishing_late(), 3)
