@@ -860,8 +860,8 @@ def _decode_tensor(
     e: dict,
     b: torch.Tensor | None,
     parts: dict[str, memoryview],
-    in_place: bool = False,
-    undo: list | None = None,
+    in_place: bool,
+    undo: list,
 ) -> tuple[torch.Tensor, bytes]:
     """One tensor rebuilt from its sections, and its digest (taken while it is in cache). In
     place, the changes go into `b` itself (when contiguous) and each scatter's old values onto
@@ -877,7 +877,7 @@ def _decode_tensor(
         own = in_place and b.is_contiguous()
         t = b.detach() if own else b.detach().clone(memory_format=torch.contiguous_format)
         bits = to_bits(t)  # a view: the scatters write into t
-        undo = undo if own and undo is not None else []
+        undo = undo if own else []  # a copy's scatters need no undoing
         near_changed = _near_changes(name, bits, dtype, e, parts) if mode == "tiered" else bits[:0]
         far = count - near_changed.size
         if far < 0:

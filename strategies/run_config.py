@@ -45,7 +45,7 @@ class RunConfig(Schema):
     # update's steps; 0: off. At 1 (the norm FLTrust scales every update to) an update reversed
     # at the bound pulls no harder than one reversed at its own size, which the direction
     # weighting below answers; per √step, so a fast client's longer round is not cut to a slow one's
-    # (top-k uploads: per step of all the client's rounds on the block, which error feedback carries)
+    # (top-k uploads: per step of the client's latest rounds on the block, which error feedback carries)
     clip_multiple: float = 1.0
     # refuse (not clip) an update over this many times that median (per √step); 0: off
     refuse_multiple: float = 10.0
