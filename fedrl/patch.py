@@ -30,8 +30,16 @@ An anchor (full sync) is a patch whose base is empty: every tensor dense, with i
 shape and dtype. A patch against a base lists only the tensors that changed, each by its
 position among the base's sorted names: the base already knows names, shapes and dtypes, and
 the target hash covers every tensor, the unchanged ones too. On small patches that halves
-the header, which was about half the bytes. `apply_patch` verifies everything and returns
-new tensors; the base is never modified.
+the header, which was about half the bytes. Such a patch also names a BLAKE3 of what it
+writes (`changes_hash`: per changed tensor the positions and new bits, see `changes_hash`).
+`apply_patch` checks it, then by default rebuilds and hashes the whole target ("state"); a
+receiver that vouches for its base (it verified it, and a link of a chain starts from the
+state the last link made) can check the changes alone ("changes"): the cost of a link is then
+that of its changes and the near tier's pass, not a hash of every byte. New values travel
+relative to the base's, so a base that is wrong where the patch writes still fails the check;
+a base wrong only where nothing changes does not, which is what vouching means. It returns new
+tensors, or with `in_place` writes into the base's own; either way a patch that does not verify
+leaves the base bit for bit as it was.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import json
 import math
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import blake3
@@ -50,9 +58,9 @@ import torch
 import zstandard
 
 MAGIC = b"FRLP"
-# 6: near tiers by exponent, Rice-coded gaps (5: tiered tensors; 4: the header dictionary;
-# 3: only changed tensors, by position; 2: ulp keys, BLAKE3)
-FORMAT_VERSION = 6
+# 7: the changes hash (6: near tiers by exponent, Rice-coded gaps; 5: tiered tensors; 4: the
+# header dictionary; 3: only changed tensors, by position; 2: ulp keys, BLAKE3)
+FORMAT_VERSION = 7
 _PREFIX = struct.Struct("<4sBQ")  # magic, format version, compressed body length
 EMPTY_HASH = blake3.blake3(b"fedrl-empty-state").hexdigest()
 
@@ -88,7 +96,7 @@ _HEADER_WORDS = zstandard.ZstdCompressionDict(
             for below in (118, 119)
         )
         + f'{{"format":{FORMAT_VERSION},"base_version":null,"base_hash":"",'
-        '"target_version":0,"target_hash":"","tensors":['
+        '"target_version":0,"target_hash":"","changes_hash":"","tensors":['
         '{"name":"","shape":[],"dtype":"bfloat16","mode":"dense","count":0,"sizes":[0]},'
         '{"at":0,"mode":"dense","count":0,"sizes":[0]},'
         + "".join(
@@ -170,6 +178,7 @@ class PatchHeader:
     target_version: int
     target_hash: str
     tensors: list[dict]
+    changes_hash: str | None = None  # None in an anchor: its target hash covers every byte it carries
 
     @property
     def is_anchor(self) -> bool:
@@ -222,6 +231,24 @@ def state_hash(tensors: Mapping[str, torch.Tensor]) -> str:
     if not tensors:
         return EMPTY_HASH
     return combine_digests({name: tensor_digest(name, t) for name, t in tensors.items()})
+
+
+CHANGES_HASH_BYTES = 16  # a check on decoding, in a signed header: 128 bits (256 cost 20 bytes more a patch)
+
+
+def changes_hash(written: Iterable[np.ndarray]) -> str:
+    """BLAKE3 of what a patch writes, in header order: per changed tensor its flat positions
+    (int64) and new bits (far changes, then the near tier's in its order; a dense tensor: its
+    bits alone), each array after its length in bytes."""
+    h = blake3.blake3()
+    for arr in written:
+        _hash_array(h, arr)
+    return h.hexdigest(length=CHANGES_HASH_BYTES)
+
+
+def _hash_array(h, arr: np.ndarray) -> None:
+    h.update(struct.pack("<Q", arr.nbytes))
+    h.update(np.ascontiguousarray(arr).view(np.uint8))
 
 
 # ---------------------------------------------------------------- whole-tensor passes
@@ -560,8 +587,8 @@ def encode_patch(
         raise TensorMismatch(f"base and new name different tensors: {sorted(set(base) ^ set(new))[:3]}")
     names = sorted(new)
     encoded = [_encode_tensor(n, base.get(n), new[n], hash_it=target_hash is None) for n in names]
-    entries, sections = [], []
-    for at, (name, (entry, parts, _)) in enumerate(zip(names, encoded)):
+    entries, sections, written = [], [], []
+    for at, (name, (entry, parts, writes, _)) in enumerate(zip(names, encoded)):
         if entry is None:
             continue  # unchanged: the base's own tensor
         t = new[name]
@@ -570,13 +597,15 @@ def encode_patch(
         )
         entries.append({**identity, **entry, "sizes": [len(data) for data in parts]})
         sections.extend(parts)
-    target_hash = target_hash or combine_digests({n: digest for n, (_, _, digest) in zip(names, encoded)})
+        written.extend(writes)
+    target_hash = target_hash or combine_digests({n: digest for n, (*_, digest) in zip(names, encoded)})
     header = {
         "format": FORMAT_VERSION,
         "base_version": base_version if base else None,
         "base_hash": (base_hash or state_hash(base)) if base else EMPTY_HASH,
         "target_version": target_version,
         "target_hash": target_hash,
+        **({"changes_hash": changes_hash(written)} if base else {}),
         "tensors": entries,
     }
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
@@ -587,8 +616,9 @@ def encode_patch(
 
 def _encode_tensor(
     name: str, b: torch.Tensor | None, t: torch.Tensor, hash_it: bool
-) -> tuple[dict | None, list[bytes], bytes | None]:
-    """One tensor's encoding (None: unchanged), its sections in order, and its digest when asked for."""
+) -> tuple[dict | None, list[bytes], list[np.ndarray], bytes | None]:
+    """One tensor's encoding (None: unchanged), its sections in order, what it writes (for the
+    changes hash) and its digest when asked for."""
     digest = tensor_digest(name, t) if hash_it else None
     new_bits = to_bits(t)
     if b is not None:
@@ -597,17 +627,18 @@ def _encode_tensor(
         base_bits = to_bits(b)
         idx = changed_positions(base_bits, new_bits)
         if idx.size == 0:
-            return None, [], digest
-        entry, parts = _encode_changes(base_bits, new_bits, idx, t.dtype)
+            return None, [], [], digest
+        entry, parts, written = _encode_changes(base_bits, new_bits, idx, t.dtype)
         if sum(len(data) for data in parts) < new_bits.nbytes:
-            return entry, parts, digest
-    return {"mode": "dense", "count": int(new_bits.size)}, [new_bits.tobytes()], digest
+            return entry, parts, written, digest
+    return {"mode": "dense", "count": int(new_bits.size)}, [new_bits.tobytes()], [new_bits], digest
 
 
 def _encode_changes(
     base_bits: np.ndarray, new_bits: np.ndarray, idx: np.ndarray, dtype: torch.dtype
-) -> tuple[dict, list[bytes]]:
-    """A changed tensor as "sparse" (gaps and values) or "tiered" (near flags, then the same)."""
+) -> tuple[dict, list[bytes], list[np.ndarray]]:
+    """A changed tensor as "sparse" (gaps and values) or "tiered" (near flags, then the same),
+    and what it writes: positions and new bits, far then near."""
     below = choose_near_tier(base_bits, idx, dtype)
     entry: dict = {"mode": "tiered" if below else "sparse", "count": int(idx.size)}
     if below:
@@ -615,18 +646,21 @@ def _encode_changes(
         near = near_positions(base_bits, dtype, below)
         moved = base_bits[near] != new_bits[near]
         flags = np.packbits(moved, bitorder="little").tobytes()
+        near_changed = near[moved]
         near_as, near_width, near_values, near_escapes = encode_values(
-            base_bits[near[moved]], new_bits[near[moved]], True
+            base_bits[near_changed], new_bits[near_changed], True
         )
         idx = idx[~is_near(base_bits[idx], dtype, below)]  # the far changes, as gaps
     index, index_width, index_escapes = encode_indices(idx)
     kind, width, values, escapes = encode_values(base_bits[idx], new_bits[idx], dtype.is_floating_point)
     entry.update(index_width=index_width, values_as=kind, value_width=width)
     sparse = [index, index_escapes, values, escapes]  # the order of _SECTIONS
+    written = [idx, new_bits[idx]]
     if not below:
-        return entry, sparse
+        return entry, sparse, written
     entry.update(near_as=near_as, near_width=near_width)
-    return entry, [flags, *sparse, near_values, near_escapes]
+    written += [near_changed, new_bits[near_changed]]
+    return entry, [flags, *sparse, near_values, near_escapes], written
 
 
 # ---------------------------------------------------------------- decode
@@ -687,8 +721,8 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_hash(x) -> bool:
-    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+def _is_hash(x, size: int = 32) -> bool:
+    return isinstance(x, str) and len(x) == 2 * size and all(c in "0123456789abcdef" for c in x)
 
 
 def _names_itself(e: dict) -> bool:
@@ -713,6 +747,11 @@ def _check_header(raw) -> PatchHeader:
         and _is_hash(raw.get("base_hash"))
         and _is_hash(raw.get("target_hash"))
         and isinstance(raw.get("tensors"), list)
+        and (
+            _is_hash(raw.get("changes_hash"), CHANGES_HASH_BYTES)
+            if raw["base_version"] is not None
+            else "changes_hash" not in raw
+        )
     )
     if not ok:
         raise CorruptPatch("patch header fields are missing or of the wrong type")
@@ -755,7 +794,12 @@ def _check_header(raw) -> PatchHeader:
     elif any(a >= b for a, b in itertools.pairwise(e["at"] for e in raw["tensors"])):
         raise CorruptPatch("changed tensors are not listed once each, in order")
     return PatchHeader(
-        raw["base_version"], raw["base_hash"], raw["target_version"], raw["target_hash"], raw["tensors"]
+        raw["base_version"],
+        raw["base_hash"],
+        raw["target_version"],
+        raw["target_hash"],
+        raw["tensors"],
+        raw.get("changes_hash"),
     )
 
 
@@ -776,20 +820,30 @@ class _Sections:
         return self.body[self.pos - size : self.pos]
 
 
+VERIFY = ("state", "changes")
+
+
 def apply_patch(
     base: Mapping[str, torch.Tensor] | None,
     patch: bytes,
     base_hash: str | None = None,
     limits: PatchLimits = PatchLimits(),
     in_place: bool = False,
+    verify: str = "state",
 ) -> dict[str, torch.Tensor]:
     """Verify `patch` against `base` and return the target tensors: new objects, base untouched;
     with `in_place`, the base's own tensors where they can take the changes (what a chain of
     patches does to a state it owns: no copy of the whole state per link).
 
+    The changes hash is always checked. `verify="state"` also hashes the whole result against
+    the target hash; "changes" names the result by the target hash unhashed, for a caller whose
+    `base` is the state `base_hash` names (an anchor is always hashed whole: it has no base).
+
     Raises a PatchError subclass naming the reason for anything that does not verify; the base
     is then as it was, bit for bit, in place or not.
     """
+    if verify not in VERIFY:
+        raise ValueError(f"verify is one of {VERIFY}, not {verify!r}")
     header, sections = _open(patch, limits)
     base = {} if header.is_anchor else (base or {})
     if not header.is_anchor:
@@ -798,21 +852,31 @@ def apply_patch(
             raise BaseMismatch(
                 f"patch is for base {header.base_hash[:12]} (v{header.base_version}), held {held[:12]}"
             )
+    whole = verify == "state" or header.is_anchor
     specs = _tensor_specs(header, base)
     cursor = _Sections(sections)
     parts = [_checked_sections(spec, e, cursor, header.is_anchor) for spec, e in zip(specs, header.tensors)]
     if cursor.pos != len(sections):
         raise CorruptPatch(f"{len(sections) - cursor.pos} bytes of the body belong to no tensor")
     undo: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (bits, positions, old values)
+    written = None if header.is_anchor else blake3.blake3()  # an anchor is hashed whole instead
+    digests: dict[str, bytes] = {}
     try:
-        decoded = {
-            spec[0]: _decode_tensor(spec, e, base.get(spec[0]), p, in_place, undo)
-            for spec, e, p in zip(specs, header.tensors, parts)
-        }
+        decoded = {}
+        for spec, e, p in zip(specs, header.tensors, parts):
+            t = decoded[spec[0]] = _decode_tensor(spec, e, base.get(spec[0]), p, in_place, undo, written)
+            if whole:
+                digests[spec[0]] = tensor_digest(spec[0], t)  # while it is in cache
+        if not header.is_anchor and written.hexdigest(length=CHANGES_HASH_BYTES) != header.changes_hash:
+            raise TargetMismatch(
+                f"decoded changes do not hash to v{header.target_version}'s {header.changes_hash[:12]}"
+            )
         for name in base.keys() - decoded.keys():  # unchanged: the base's own, or a copy of it
             t = base[name] if in_place else base[name].detach().clone(memory_format=torch.contiguous_format)
-            decoded[name] = t, tensor_digest(name, t)
-        if combine_digests({name: digest for name, (_, digest) in decoded.items()}) != header.target_hash:
+            decoded[name] = t
+            if whole:
+                digests[name] = tensor_digest(name, t)
+        if whole and combine_digests(digests) != header.target_hash:
             raise TargetMismatch(
                 f"reconstructed state does not hash to v{header.target_version}'s {header.target_hash[:12]}"
             )
@@ -820,7 +884,7 @@ def apply_patch(
         for bits, positions, old in reversed(undo):
             bits[positions] = old
         raise
-    return {name: t for name, (t, _) in sorted(decoded.items())}
+    return dict(sorted(decoded.items()))
 
 
 _Spec = tuple[str, torch.dtype, tuple[int, ...]]  # a carried tensor's name, dtype and shape
@@ -862,8 +926,9 @@ def _decode_tensor(
     parts: dict[str, memoryview],
     in_place: bool,
     undo: list,
-) -> tuple[torch.Tensor, bytes]:
-    """One tensor rebuilt from its sections, and its digest (taken while it is in cache). In
+    written: blake3.blake3 | None,
+) -> torch.Tensor:
+    """One tensor rebuilt from its sections, what it writes added to the `written` hash. In
     place, the changes go into `b` itself (when contiguous) and each scatter's old values onto
     `undo`, so that a later failure can put them back."""
     name, dtype, shape = spec
@@ -872,7 +937,10 @@ def _decode_tensor(
     if mode == "dense":
         if len(parts["values"]) != count * np.dtype(np_dtype).itemsize:
             raise CorruptPatch(f"{name}: dense section has the wrong size")
-        t = from_bits(_array(parts["values"], np_dtype).copy(), dtype, shape)
+        values = _array(parts["values"], np_dtype)
+        if written is not None:
+            _hash_array(written, values)
+        t = from_bits(values.copy(), dtype, shape)
     else:
         own = in_place and b.is_contiguous()
         t = b.detach() if own else b.detach().clone(memory_format=torch.contiguous_format)
@@ -889,6 +957,8 @@ def _decode_tensor(
         changed = decode_values(
             e["values_as"], e["value_width"], parts["values"], parts["value_escapes"], old, is_float
         )
+        _hash_array(written, idx)
+        _hash_array(written, changed)
         undo.append((bits, idx, old))
         bits[idx] = changed
         if mode == "tiered":  # decoded even when empty: its sections must then be empty too
@@ -896,9 +966,11 @@ def _decode_tensor(
             changed = decode_values(
                 e["near_as"], e["near_width"], parts["near_values"], parts["near_escapes"], old, True
             )
+            _hash_array(written, near_changed)
+            _hash_array(written, changed)
             undo.append((bits, near_changed, old))
             bits[near_changed] = changed
-    return t, tensor_digest(name, t)
+    return t
 
 
 def _near_changes(name: str, bits: np.ndarray, dtype: torch.dtype, e: dict, parts: dict) -> np.ndarray:

@@ -60,9 +60,11 @@ def synchronize(
     """Reach `target` by the cheapest plan that verifies; returns the state and the plan used.
 
     A plan whose fetch fails (OSError) or whose patch does not verify (PatchError) is abandoned
-    and the next is tried; the held state is never modified. Past a plan's first link the state
-    is the plan's own: later links apply in place, and each starts from the hash the last one
-    verified rather than hashing the state again."""
+    and the next is tried; the held state is never modified. The held state is hashed once, and
+    each link then checks only what it changes (`verify="changes"`): it starts from the state the
+    last link made, named by that link's signed target hash, so a wrong name is refused by the
+    next link's base check, and the next sync hashes what it holds again. Past a plan's first
+    link the state is the plan's own, and later links apply in place."""
     if held_version == target and held is not None:
         return dict(held), []
     errors = []
@@ -74,8 +76,8 @@ def synchronize(
                 data = fetch(ref)
                 header = read_header(data)
                 check_labels(header, ref)
-                state = apply_patch(state, data, base_hash=known_hash, in_place=i > 0)
-                known_hash = header.target_hash  # apply_patch verified that the state hashes to it
+                state = apply_patch(state, data, base_hash=known_hash, in_place=i > 0, verify="changes")
+                known_hash = header.target_hash
             return state, plan
         except (PatchError, OSError) as err:
             errors.append(f"v{plan[0].base_version}->v{target} via {len(plan)} patch(es): {err}")

@@ -31,6 +31,7 @@ from fedrl.patch import (
     decompress_body,
     encode_patch,
     read_header,
+    state_hash,
     to_bits,
 )
 from fedrl.patch_chain import check_labels
@@ -148,8 +149,13 @@ def mutate_patch(patch: bytes, other: bytes, rng: np.random.Generator) -> tuple[
     return kind, rewrap(bytes(body[: 4 + hlen]) + other_body[4 + other_hlen :])
 
 
-def fuzz_signed(mutations: int, seed: int = 0, limits: PatchLimits | None = None) -> dict:
-    """Run `mutations` mutated signed patches through the receive path; the outcome counts."""
+def fuzz_signed(
+    mutations: int, seed: int = 0, limits: PatchLimits | None = None, verify: str = "state"
+) -> dict:
+    """Run `mutations` mutated signed patches through the receive path; the outcome counts.
+    `verify="changes"` is a sync's path: the base's hash is known and the result is not hashed
+    whole, so an exact state under a target hash the signer got wrong counts as "misnamed" (a
+    sync's next link refuses that name as its base, and its next sync re-hashes what it holds)."""
     limits = limits or PatchLimits()
     rng = np.random.default_rng(seed)
     key, attacker = generate_signing_key(), generate_signing_key()
@@ -186,7 +192,8 @@ def fuzz_signed(mutations: int, seed: int = 0, limits: PatchLimits | None = None
         try:
             inner = verify_signed_patch(signed, public)
             check_labels(read_header(inner, limits), ref)
-            out = apply_patch(base, inner, limits=limits)
+            known = state_hash(base) if verify == "changes" and base is not None else None
+            out = apply_patch(base, inner, base_hash=known, limits=limits, verify=verify)
         except PatchError as err:
             outcomes[f"refused:{type(err).__name__}"] += 1
             continue
@@ -196,13 +203,15 @@ def fuzz_signed(mutations: int, seed: int = 0, limits: PatchLimits | None = None
             continue
         # right only if it is the target state of the entry that was asked for
         exact = bits_equal(out, target) and ref == asked
-        outcomes["exact" if exact else "silently_applied"] += 1
+        named = read_header(inner, limits).target_hash == state_hash(target)
+        outcomes[("exact" if named else "misnamed") if exact else "silently_applied"] += 1
         if not exact:
             wrong.append(kind)
     return {
         "tried": mutations,
         "refused": sum(n for k, n in outcomes.items() if k.startswith("refused:")),
         "exact": outcomes["exact"],
+        "misnamed": outcomes["misnamed"],
         "silently_applied": outcomes["silently_applied"],
         "crashed": outcomes["crashed"],
         "crashes": crashes[:10],

@@ -99,5 +99,7 @@ def test_bench_chaos_faults_at_tiny_size_lose_at_most_a_version_and_accept_nothi
     assert result["store"]["honest_under_attack"]["lost"] == 0
     fuzzed = rows["patch-mutations"]
     assert fuzzed["tried"] == 500 and fuzzed["crashed"] == 0 and fuzzed["refused"] + fuzzed["exact"] == 500
+    synced = rows["patch-mutations-sync"]  # a sync's link: only its changes hashed, its target hash a name
+    assert synced["tried"] == 500 and synced["refused"] + synced["exact"] + synced["misnamed"] == 500
     assert rows["decompression-bombs"]["peak_rss_growth_max"] < 64 << 20
     assert out.with_suffix(".png").stat().st_size > 10_000

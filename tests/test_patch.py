@@ -22,6 +22,7 @@ from fedrl.patch import (
     TruncatedPatch,
     UnknownFormat,
     apply_patch,
+    changes_hash,
     decode_indices,
     encode_indices,
     encode_patch,
@@ -31,6 +32,7 @@ from fedrl.patch import (
     rice_encode,
     shuffle_bytes,
     state_hash,
+    to_bits,
 )
 from fedrl.sim.patch_fuzz import bits_equal, body_of, cases, fuzz_signed, rewrap, try_bombs, with_header
 
@@ -155,12 +157,16 @@ def _fuzz_cases():
     return [(base, patch, target) for base, _, patch, target, _ in cases()]
 
 
-def test_mutation_fuzzer_never_yields_a_wrong_state():
+@pytest.mark.parametrize("verify", ["state", "changes"])
+def test_mutation_fuzzer_never_yields_a_wrong_state(verify):
     """10,500 mutations of real signed patches through a client's receive path (signature,
-    catalog labels, base hash, codec): each is refused with a PatchError or means what it did."""
-    result = fuzz_signed(10_500, seed=0)
+    catalog labels, base hash, codec): each is refused with a PatchError or means what it did.
+    Checking only the changes, the one thing left unchecked is the signed target hash, as a name."""
+    result = fuzz_signed(10_500, seed=0, verify=verify)
     assert result["silently_applied"] == 0 and result["crashed"] == 0, result
-    assert result["refused"] > 9_500 and result["refused"] + result["exact"] == 10_500, result
+    assert result["refused"] > 9_500, result
+    assert result["refused"] + result["exact"] + result["misnamed"] == 10_500, result
+    assert result["misnamed"] == 0 if verify == "state" else result["misnamed"] > 0, result
     assert set(result["mutations"]) >= {"forged", "splice", "relabel", "swapped-base", "header-kind"}
 
 
@@ -321,7 +327,7 @@ def test_any_near_tier_is_bit_identical_into_new_tensors_and_in_place(case):
     entries = read_header(patch).tensors
     assert not entries or entries[0]["mode"] in ("tiered", "dense")
     storage = base["w"].data_ptr()
-    out = apply_patch(base, patch, in_place=True)
+    out = apply_patch(base, patch, in_place=True, verify="changes")
     assert bits_equal(out, new)
     # a dense entry is a new tensor; every other form writes into the base's own storage
     assert (out["w"].data_ptr() == storage) == (not entries or entries[0]["mode"] != "dense")
@@ -377,17 +383,62 @@ def tiered_patch(base: torch.Tensor, below: int, near_flags: bytes, far: list[in
     bits[far] -= 1
     near = [i for i in range(base.numel()) if abs(float(base[i])) < 2.0 ** (below - 127)]
     flagged = np.unpackbits(np.frombuffer(near_flags, np.uint8), bitorder="little")[: len(near)]
-    bits[[i for i, f in zip(near, flagged) if f]] -= 1
+    near_changed = [i for i, f in zip(near, flagged) if f]  # one exponent: the tier's order is by position
+    bits[near_changed] -= 1
+    written = to_bits(down)
+    far_at, near_at = np.array(far, dtype=np.int64), np.array(near_changed, dtype=np.int64)
     header = {
         "format": FORMAT_VERSION,
         "base_version": 0,
         "base_hash": state_hash({"w": base}),
         "target_version": 1,
         "target_hash": state_hash({"w": down}),
+        "changes_hash": changes_hash([far_at, written[far_at], near_at, written[near_at]]),
         "tensors": [entry],
     }
     raw = json.dumps(header).encode()
     return rewrap(struct.pack("<I", len(raw)) + raw + b"".join(sections)), down
+
+
+def test_checking_the_changes_hashes_no_whole_tensor_and_refuses_a_base_wrong_where_it_writes():
+    base, new = optimizer_step(1 << 14, 3e-7)
+    base["x"], new["x"] = torch.arange(6.0), torch.arange(6.0)  # unchanged: not listed
+    new["x"][5] = 7.0
+    held = state_hash(base)
+    patch = encode_patch(base, new, 0, 1, base_hash=held)
+    with mock.patch.object(fedrl.patch, "tensor_digest", wraps=fedrl.patch.tensor_digest) as digests:
+        assert bits_equal(apply_patch(base, patch, base_hash=held, verify="changes"), new)
+        assert digests.call_count == 0
+        assert bits_equal(apply_patch(base, patch, base_hash=held), new)
+        assert digests.call_count == len(new)  # "state": every tensor
+    bits = to_bits(base["w"])
+    moved = int(np.flatnonzero(bits != to_bits(new["w"]))[0])
+    for where, caught in ((moved, True), (int(np.flatnonzero(bits == to_bits(new["w"]))[0]), False)):
+        wrong = {k: v.clone() for k, v in base.items()}
+        wrong["w"].view(torch.int16)[where] += 3
+        if caught:  # new values travel relative to the base's: a wrong old value gives a wrong new one
+            snapshot = {k: v.clone() for k, v in wrong.items()}
+            with pytest.raises(TargetMismatch, match="decoded changes"):
+                apply_patch(wrong, patch, base_hash=held, verify="changes", in_place=True)
+            assert bits_equal(wrong, snapshot)  # every change put back
+        else:  # vouching for a base means this: a wrong value the patch does not touch stays
+            out = apply_patch(wrong, patch, base_hash=held, verify="changes")
+            assert to_bits(out["w"])[where] != to_bits(new["w"])[where]
+            with pytest.raises(TargetMismatch, match="reconstructed state"):
+                apply_patch(wrong, patch, base_hash=held)  # the whole-state check sees it
+    with pytest.raises(ValueError, match="verify"):
+        apply_patch(base, patch, verify="nothing")
+
+
+def test_an_anchor_is_hashed_whole_whatever_the_check():
+    _, new = optimizer_step(1 << 10, 3e-7)
+    anchor = encode_patch(None, new, None, 1)
+    assert read_header(anchor).changes_hash is None
+    lying = with_header(anchor, lambda h: h.update(target_hash="0" * 64))
+    with pytest.raises(TargetMismatch, match="reconstructed state"):
+        apply_patch(None, lying, verify="changes")
+    with pytest.raises(CorruptPatch, match="header fields"):  # only a delta names its changes
+        apply_patch(None, with_header(anchor, lambda h: h.update(changes_hash="0" * 32)))
 
 
 def test_a_hand_made_tiered_patch_applies_and_each_inconsistency_is_refused():

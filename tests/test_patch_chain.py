@@ -143,14 +143,29 @@ def test_a_chain_hashes_the_held_state_once_and_applies_its_later_links_in_place
     with (
         mock.patch.object(fedrl.patch_chain, "state_hash", wraps=state_hash) as held_hashes,
         mock.patch.object(fedrl.patch, "state_hash", wraps=state_hash) as base_hashes,
+        mock.patch.object(fedrl.patch, "tensor_digest", wraps=fedrl.patch.tensor_digest) as digests,
         mock.patch.object(fedrl.patch_chain, "apply_patch", wraps=fedrl.patch.apply_patch) as applies,
     ):
         state, plan = synchronize(held, 5, 9, chain, store.fetch)
     assert [r.target_version for r in plan] == [6, 7, 8, 9]
     assert state_hash(state) == state_hash(hist[9]) and bits_equal(held, hist[5])
-    # the held state hashed once; each later link starts from the hash the last one verified
-    assert held_hashes.call_count == 1 and base_hashes.call_count == 0
+    # the held state hashed once (a digest per tensor); each link checks only what it changes,
+    # from the state and hash the last one left
+    assert held_hashes.call_count == 1 and base_hashes.call_count == 0 and digests.call_count == len(held)
     assert [c.kwargs["in_place"] for c in applies.call_args_list] == [False, True, True, True]
+    assert {c.kwargs["verify"] for c in applies.call_args_list} == {"changes"}
+
+
+def test_a_link_misnamed_by_its_signer_is_refused_by_the_next_and_the_sync_falls_back():
+    """A link checks its changes, not the whole state it makes: a target hash the publisher got
+    wrong names the result and is caught as the next link's base."""
+    pub, store, hist = publish_all(9)
+    chain = [r for r in store.refs if r.base_version is None or r.target_version == r.base_version + 1]
+    link = next(r for r in chain if r.base_version == 6)
+    store.objects[link.key] = fedrl.patch.encode_patch(hist[6], hist[7], 6, 7, target_hash="0" * 64)
+    state, plan = synchronize(hist[5], 5, 9, chain, store.fetch)
+    assert state_hash(state) == state_hash(hist[9])
+    assert [(r.base_version, r.target_version) for r in plan] == [(None, 8), (8, 9)]
 
 
 def test_wrong_held_state_is_detected_not_applied():

@@ -130,17 +130,21 @@ def pairs_timed(speeds: list[dict]) -> list[dict]:
 def throughput(base: dict, new: dict, level: int, dense: int, repeats: int = 3) -> dict:
     """MB/s of dense model bytes on one thread; hashes of held states are known, as in use.
     Encoding hashes the new state unless its hash is known too (`encode_known_mb_s`: a
-    publisher's patches from its retained versions to a version it has hashed once). Beside a
-    warm memcpy, a copy into fresh memory (what any apply that returns new tensors pays at
-    least) and the state hash alone (what any apply that verifies its result pays)."""
+    publisher's patches from its retained versions to a version it has hashed once). Decoding
+    into new tensors and hashing the whole result (`decode_mb_s`), and as a sync's link does
+    (`link_decode_mb_s`: in place, checking the changes). Beside a warm memcpy, a copy into
+    fresh memory (what any apply that returns new tensors pays at least) and the state hash
+    alone (what any apply that verifies its whole result pays)."""
     base_hash, target_hash = state_hash(base), state_hash(new)
     targets = {n: torch.empty_like(t) for n, t in new.items()}
     for t in targets.values():
         t.fill_(1)  # warm the destination pages
+    work = {n: t.clone() for n, t in base.items()}
 
-    def best(fn) -> float:
+    def best(fn, setup=lambda: None) -> float:
         times = []
         for _ in range(repeats):
+            setup()
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
@@ -153,6 +157,10 @@ def throughput(base: dict, new: dict, level: int, dense: int, repeats: int = 3) 
             lambda: encode_patch(base, new, 0, 1, level=level, base_hash=base_hash, target_hash=target_hash)
         ),
         "decode_mb_s": best(lambda: apply_patch(base, patch, base_hash=base_hash)),
+        "link_decode_mb_s": best(
+            lambda: apply_patch(work, patch, base_hash=base_hash, in_place=True, verify="changes"),
+            setup=lambda: [work[n].copy_(t) for n, t in base.items()],
+        ),
         "memcpy_mb_s": best(lambda: [targets[n].copy_(t) for n, t in new.items()]),
         "fresh_copy_mb_s": best(lambda: [t.clone() for t in new.values()]),
         "hash_mb_s": best(lambda: state_hash(new)),
@@ -244,7 +252,7 @@ def table(cases: list[dict]) -> str:
     head = (
         f"{'case':20} {'lr':>7} {'k':>3} {'sparsity':>9} {'ratio':>8} {'zstd':>6} {'coo':>7} "
         f"{'enc MB/s':>9} {'dec MB/s':>9} {'memcpy':>8} {'enc/cpy':>7} {'enc*/cpy':>8} {'dec/cpy':>7} "
-        f"{'hash/cpy':>8} {'exact':>6}"
+        f"{'link/cpy':>8} {'hash/cpy':>8} {'exact':>6}"
     )
     rows = [head]
     for c in (c for c in cases if c["pairs"]):
@@ -254,7 +262,8 @@ def table(cases: list[dict]) -> str:
             f"{c['ratio_zstd_dense']:6.2f} {c['ratio_raw_coo']:7.1f} {c.get('encode_mb_s', 0):9.0f} "
             f"{c.get('decode_mb_s', 0):9.0f} {c.get('memcpy_mb_s', 0):8.0f} "
             f"{c.get('encode_mb_s', 0) / copy:7.2f} {c.get('encode_known_mb_s', 0) / copy:8.2f} "
-            f"{c.get('decode_mb_s', 0) / copy:7.2f} {c.get('hash_mb_s', 0) / copy:8.2f} "
+            f"{c.get('decode_mb_s', 0) / copy:7.2f} {c.get('link_decode_mb_s', 0) / copy:8.2f} "
+            f"{c.get('hash_mb_s', 0) / copy:8.2f} "
             f"{str(c['bit_identical']):>6}"
         )
     return "\n".join(rows)

@@ -288,20 +288,25 @@ def store(quick: bool) -> tuple[list[dict], dict]:
 def fuzz(mutations: int, seed: int) -> list[dict]:
     from fedrl.sim.patch_fuzz import fuzz_signed, try_bombs
 
-    print(f"[fuzz] {mutations} mutated signed patches, and decompression bombs", flush=True)
-    start = time.perf_counter()
-    result = fuzz_signed(mutations, seed)
-    result["wall_s"] = round(time.perf_counter() - start, 1)
+    print(f"[fuzz] {mutations} mutated signed patches per verification, and decompression bombs", flush=True)
+    rows = []
+    for verify, name in (("state", "patch-mutations"), ("changes", "patch-mutations-sync")):
+        start = time.perf_counter()
+        result = fuzz_signed(mutations, seed, verify=verify)
+        result["wall_s"] = round(time.perf_counter() - start, 1)
+        rows.append(
+            {
+                "name": name,
+                "survived": result["crashed"] == 0,
+                "silently_accepted": result["silently_applied"],
+                "versions_lost": 0,
+                **result,
+            }
+        )
     limits = PatchLimits(max_patch_bytes=16 << 20, max_body_bytes=16 << 20)  # a receiver's bound
     bombs = try_bombs(limits)
     return [
-        {
-            "name": "patch-mutations",
-            "survived": result["crashed"] == 0,
-            "silently_accepted": result["silently_applied"],
-            "versions_lost": 0,
-            **result,
-        },
+        *rows,
         {
             "name": "decompression-bombs",
             "tried": len(bombs),
