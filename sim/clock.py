@@ -6,7 +6,9 @@ A client's round lasts compute_s = steps * step_s / speed plus its link's virtua
 order of virtual arrival. A reply is due only when no message still out can arrive
 earlier; each message's earliest arrival (its compute time, from `lookahead`, which knows
 the simulated client behind it) is what lets several clients compute at once in real time
-without reordering.
+without reordering. Replies due at the same virtual time go in the order of `tie` (the
+simulation's: the client id), never in the order the engine happened to return them: two
+clients of one profile finish together, and Ray returned them in either order.
 """
 
 from __future__ import annotations
@@ -30,36 +32,40 @@ def round_seconds(
 class VirtualClock:
     virtual = True
 
-    def __init__(self, lookahead: Callable[[Any], float]):
+    def __init__(self, lookahead: Callable[[Any], float], tie: Callable[[Any], Any] = lambda instruction: 0):
         self.lookahead = (
             lookahead  # instruction -> the earliest its reply can arrive, in seconds after sending
         )
+        self.tie = tie  # instruction -> its rank among replies due at the same virtual time
         self.t = 0.0
-        self.out: dict[str, tuple[float, float]] = {}  # msg_id -> (sent at, earliest arrival)
-        self.heap: list[tuple[float, int, str, Any]] = []
-        self.seq = itertools.count()  # ties keep the order replies came in
+        # msg_id -> (sent at, its key at the earliest it can arrive: (time, tie, sent order))
+        self.out: dict[str, tuple[float, tuple]] = {}
+        self.heap: list[tuple[tuple, str, Any]] = []
+        self.seq = itertools.count()  # the last tie-break: the order messages were sent in
 
     def now(self) -> float:
         return self.t
 
     def sent(self, msg_id: str, instruction: Any) -> None:
-        self.out[msg_id] = (self.t, self.t + max(0.0, self.lookahead(instruction)))
+        earliest = self.t + max(0.0, self.lookahead(instruction))
+        self.out[msg_id] = (self.t, (earliest, self.tie(instruction), next(self.seq)))
 
     def arrived(self, msg_id: str, reply: Any, duration_s: float) -> None:
-        sent_at, earliest = self.out.pop(msg_id)
-        heapq.heappush(self.heap, (max(earliest, sent_at + duration_s), next(self.seq), msg_id, reply))
+        sent_at, (earliest, *rank) = self.out.pop(msg_id)
+        heapq.heappush(self.heap, ((max(earliest, sent_at + duration_s), *rank), msg_id, reply))
 
     def forget(self, msg_id: str) -> None:
         self.out.pop(msg_id, None)
-        self.heap = [h for h in self.heap if h[2] != msg_id]
+        self.heap = [h for h in self.heap if h[1] != msg_id]
         heapq.heapify(self.heap)
 
     def next_due(self) -> tuple[str, Any] | None:
-        """The earliest arrival, if no message still out could arrive before it; advances time."""
+        """The earliest arrival, if no message still out could come before it (at the same
+        virtual time, one that ranks before it could); advances time."""
         if not self.heap:
             return None
-        if self.out and self.heap[0][0] > min(earliest for _, earliest in self.out.values()):
+        if self.out and self.heap[0][0] > min(key for _, key in self.out.values()):
             return None
-        at, _, msg_id, reply = heapq.heappop(self.heap)
+        (at, *_), msg_id, reply = heapq.heappop(self.heap)
         self.t = max(self.t, at)
         return msg_id, reply

@@ -119,7 +119,9 @@ def run_simulated(grid, cfg: RunConfig, sim: SimConfig, progress=None) -> dict:
         speed = profiles[instr.client_id % len(profiles)].speed
         return min(instr.steps * step_s / speed, cfg.deadline_s)
 
-    clock = VirtualClock(lookahead) if sim.clock == "virtual" else RealClock()
+    clock = (  # replies due at one virtual time: by client id, the same order every run
+        VirtualClock(lookahead, tie=lambda instr: instr.client_id) if sim.clock == "virtual" else RealClock()
+    )
     sim_grid = SimulatedGrid(grid, sim, step_s, clock, profiles)
     summary = run_coordinator(sim_grid, cfg, clock, progress)
     for c in summary["clients"].values():

@@ -33,6 +33,25 @@ def test_virtual_clock_hands_out_replies_in_arrival_order_only_when_safe():
     assert clock.next_due() == ("e", "E") and clock.now() == 8.0
 
 
+def test_replies_due_at_one_virtual_time_go_by_client_whatever_order_they_came_in():
+    """Two clients of one profile finish at the same virtual time; the engine returns them in
+    either order (Ray did), and the coordinator must see them in one order every run."""
+    for came_in in (["x", "y"], ["y", "x"]):
+        clock = VirtualClock(lookahead=lambda instr: instr[1], tie=lambda instr: instr[0])
+        clock.sent("x", (7, 2.0))  # sent first, by the client ranked after
+        clock.sent("y", (6, 2.0))
+        for msg_id in came_in:
+            clock.arrived(msg_id, msg_id.upper(), 2.0)
+        assert [clock.next_due()[1] for _ in range(2)] == ["Y", "X"]
+    clock = VirtualClock(lookahead=lambda instr: instr[1], tie=lambda instr: instr[0])
+    clock.sent("x", (7, 2.0))
+    clock.sent("y", (6, 2.0))
+    clock.arrived("x", "X", 2.0)
+    assert clock.next_due() is None  # "y" could still come at t=2, and it ranks first
+    clock.arrived("y", "Y", 2.5)
+    assert [clock.next_due()[1] for _ in range(2)] == ["X", "Y"] and clock.now() == 2.5
+
+
 def test_a_forgotten_message_no_longer_holds_the_virtual_clock():
     clock = VirtualClock(lookahead=lambda earliest: earliest)
     clock.sent("lost", 1.0)
