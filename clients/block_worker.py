@@ -59,6 +59,7 @@ class ClientState:
     held_version: int | None = None
     pending: Pending | None = None
     residual: Tensors = field(default_factory=dict)  # what top-k uploads have not sent yet, per tensor
+    moments: Tensors = field(default_factory=dict)  # Adam's state per tensor (keep_optimizer_state)
 
 
 def block_correction(
@@ -185,7 +186,7 @@ def handle(
         timing = runtime.timing(False, (start, start), 0, comm, None, start)
         uploaded = state.pending if upload is not None else None
         report = _report(uploaded, comm, timing, [], 0, state.held_version or 0, "now" if leaving else "")
-        return report, ClientState(state.local, state.held, state.held_version, residual=state.residual)
+        return report, dataclasses.replace(state, pending=None)
 
     adapter = models.get(instr.model, instr.lora_rank, instr.lora_alpha, instr.num_blocks)
     state = holding_origin(state, adapter.initial, instr)
@@ -198,8 +199,8 @@ def handle(
         if not overlapped:  # sequential modes, and a parablock client's first round: sync first
             _finish(thread, comm)
         local = state.local if overlapped else comm.held
-        base, corrected, metrics, compute = train_steps(
-            instr, adapter, names, local, comm, runtime, not overlapped
+        base, corrected, metrics, compute, moments = train_steps(
+            instr, adapter, names, local, comm, runtime, not overlapped, state.moments
         )
     finally:
         thread.join()
@@ -246,7 +247,8 @@ def handle(
         comm.links += after.links
     farewell = ("after-flush" if keep is not None else "now") if leaving else ""
     report = _report(uploaded, comm, timing, metrics, staleness, instr.version, farewell)
-    return report, ClientState(new_local, comm.held, instr.version, keep, residual)
+    moments = {**state.moments, **moments} if instr.keep_optimizer_state else {}
+    return report, ClientState(new_local, comm.held, instr.version, keep, residual, moments)
 
 
 def train_steps(
@@ -257,15 +259,20 @@ def train_steps(
     comm: CommResult,
     runtime: Runtime,
     corrected: bool,
-) -> tuple[Tensors, bool, list[dict], tuple[float, float]]:
+    moments: Tensors,
+) -> tuple[Tensors, bool, list[dict], tuple[float, float], Tensors]:
     """The compute thread's local DG steps on the block; applies block correction between
-    steps once the comm thread's patch has landed. Returns the block's base, whether it was
-    corrected, per-step metrics and the compute interval (wall clock)."""
+    steps once the comm thread's patch has landed. Adam goes on from `moments` when the run keeps
+    optimizer state. Returns the block's base, whether it was corrected, per-step metrics, the
+    compute interval (wall clock) and Adam's state of the block's tensors after the steps."""
     lm, part = adapter.lm, adapter.part
     part.set_all(lm.model, local)
     base = {n: local[n].clone() for n in names}
     config = LearnerConfig(instr.method, lr=instr.lr, micro_batch=instr.micro_batch)
     learner = Learner(part.make_trainable(lm.model, instr.block), config)
+    trainable = [n for n, p in lm.model.named_parameters() if p.requires_grad]
+    if instr.keep_optimizer_state:
+        learner.restore_moments(trainable, moments)
     task = get_task(instr.task, **json.loads(instr.task_params)).client_split(instr.data_shards, instr.shard)
     rng = np.random.default_rng([instr.seed, instr.client_id, instr.round])
     gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
@@ -296,7 +303,8 @@ def train_steps(
             break
         if not corrected and runtime.landed(comm, len(metrics)) and comm.error is None:
             base, corrected = _correct(adapter, comm.held, base, names), True
-    return base, corrected, metrics, (compute_start, time.perf_counter())
+    kept = learner.moments(trainable) if instr.keep_optimizer_state else {}
+    return base, corrected, metrics, (compute_start, time.perf_counter()), kept
 
 
 def _correct(adapter: AdapterModel, new_global: Tensors, base: Tensors, names: list[str]) -> Tensors:

@@ -74,9 +74,14 @@ def load_state(state: RecordDict) -> ClientState:
             _tensors(arrays["pending_new"]),
             int(meta["pending_samples"]),
         )
-    residual = _tensors(arrays["residual"]) if "residual" in arrays else {}
+    residual, moments = (_tensors(arrays[k]) if k in arrays else {} for k in ("residual", "moments"))
     return ClientState(
-        _tensors(arrays["local"]), _tensors(arrays["held"]), int(meta["held_version"]), pending, residual
+        _tensors(arrays["local"]),
+        _tensors(arrays["held"]),
+        int(meta["held_version"]),
+        pending,
+        residual,
+        moments,
     )
 
 
@@ -88,8 +93,11 @@ def save_state(state: RecordDict, s: ClientState) -> None:
     state["held"] = _record(s.held)
     if p is not None:
         state["pending_base"], state["pending_new"] = _record(p.base), _record(p.new)
-    if s.residual:
-        state["residual"] = _record(s.residual)
+    for key, tensors in (("residual", s.residual), ("moments", s.moments)):
+        if tensors:
+            state[key] = _record(tensors)
+        elif key in state:  # an emptied part must not come back from an older message
+            del state[key]
     state["meta"] = ConfigRecord(
         {
             "held_version": int(s.held_version),

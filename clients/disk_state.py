@@ -2,8 +2,8 @@
 
 Flower keeps `context.state` in the SuperNode's memory: a node that crashes, reboots or is
 withdrawn loses it. A node with a state directory also keeps the state in one safetensors
-file (held global adapter, local copy, pending delta, the residual of top-k uploads, their
-versions), written atomically after every message: it rejoins holding version v and syncs
+file (held global adapter, local copy, pending delta, the residual of top-k uploads, Adam's
+kept state, their versions), written atomically after every message: it rejoins holding version v and syncs
 by patches from v. The file is bound to the patch store it came from; another federation's
 state is ignored.
 """
@@ -20,7 +20,7 @@ from fedrl.clients.block_worker import ClientState, Pending
 from fedrl.node_files import CLIENT_STATE, write_atomic
 
 FILE = "state.safetensors"
-PARTS = ("local", "held", "pending_base", "pending_new", "residual")
+PARTS = ("local", "held", "pending_base", "pending_new", "residual", "moments")
 
 
 def state_path(state_dir: str | Path) -> Path:
@@ -31,7 +31,7 @@ def save_to_disk(state_dir: str | Path, store_url: str, s: ClientState) -> None:
     if s.local is None or s.held is None:
         return
     p = s.pending
-    parts = {"local": s.local, "held": s.held, "residual": s.residual}
+    parts = {"local": s.local, "held": s.held, "residual": s.residual, "moments": s.moments}
     if p is not None:
         parts |= {"pending_base": p.base, "pending_new": p.new}
     tensors = {f"{part}/{name}": t.contiguous() for part, ts in parts.items() for name, t in ts.items()}
@@ -62,7 +62,9 @@ def load_from_disk(state_dir: str | Path, store_url: str) -> ClientState | None:
     if meta["pending"] is not None:
         block, base_version, samples = meta["pending"]
         pending = Pending(block, base_version, parts["pending_base"], parts["pending_new"], samples)
-    return ClientState(parts["local"], parts["held"], meta["held_version"], pending, parts["residual"])
+    return ClientState(
+        parts["local"], parts["held"], meta["held_version"], pending, parts["residual"], parts["moments"]
+    )
 
 
 def _metadata(data: bytes) -> dict:

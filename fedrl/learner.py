@@ -31,6 +31,9 @@ class LearnerConfig:
             raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
 
 
+ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")  # torch.optim.Adam's per-parameter state
+
+
 class Learner:
     """Adam on `params` (a LoRA block, or a whole small model), with gradient clipping."""
 
@@ -42,6 +45,33 @@ class Learner:
         self.loss_fn = LOSSES[config.method]
         self.optimizer = torch.optim.Adam(self.params, lr=config.lr, betas=config.betas)
         self.steps = 0
+
+    def moments(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Adam's state of the parameters (`names`: theirs, in order) as flat tensors
+        ("NAME:step", "NAME:exp_avg", "NAME:exp_avg_sq"); parameters not yet stepped have none."""
+        self._check_names(names)
+        state = self.optimizer.state
+        return {
+            f"{n}:{k}": state[p][k].detach().clone()
+            for n, p in zip(names, self.params)
+            if p in state
+            for k in ADAM_STATE
+        }
+
+    def restore_moments(self, names: list[str], moments: dict[str, torch.Tensor]) -> None:
+        """Continue from `moments` (as `moments` returns them) where a parameter's are complete
+        and fit its shape; the others start fresh."""
+        self._check_names(names)
+        for n, p in zip(names, self.params):
+            saved = [moments.get(f"{n}:{k}") for k in ADAM_STATE]
+            step, m, v = saved
+            if step is None or m is None or v is None or m.shape != p.shape or v.shape != p.shape:
+                continue
+            self.optimizer.state[p] = {k: t.clone() for k, t in zip(ADAM_STATE, saved)}
+
+    def _check_names(self, names: list[str]) -> None:
+        if len(names) != len(self.params):
+            raise ValueError(f"{len(names)} names for {len(self.params)} trainable parameters")
 
     def update(self, batch: PGBatch) -> dict:
         return self.accumulate_and_step([batch], float(batch.mask.sum()))

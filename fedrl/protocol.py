@@ -67,6 +67,9 @@ class LearnerSettings(Schema):
     method: str
     temperature: float = 1.0  # actors sample from softmax(logits / temperature); the learner scores the same
     micro_batch: int = 0  # rows per backward pass, whole prompt groups (gradient accumulation); 0: all
+    # a node's Adam goes on from its last round on each tensor (DiLoCo's inner state) instead
+    # of starting fresh every round
+    keep_optimizer_state: bool = False
 
     @classmethod
     def of(cls, source) -> dict:

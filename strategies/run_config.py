@@ -28,6 +28,7 @@ class RunConfig(Schema):
     method: str = "dg"
     temperature: float = 1.0  # sampling temperature of the actors (the learner's policy is the same)
     micro_batch: int = 0  # learner rows per backward pass (whole prompt groups); 0: the whole batch
+    keep_optimizer_state: bool = False  # each node's Adam state per tensor lives on across its rounds
     schedule: str = "cyclic"  # cyclic | random | lru
     base_steps: int = 6  # local steps for a client of median speed
     min_steps: int = 1

@@ -427,6 +427,24 @@ def test_top_k_uploads_are_sparse_patches_and_the_rest_stays_with_the_client(tmp
     assert any(float(t.abs().max()) > 0 for t in residual.values())
 
 
+def test_kept_optimizer_state_goes_on_across_a_nodes_rounds(tmp_path):
+    """keep_optimizer_state: each node's Adam state per tensor lives on in its Flower state, so
+    a tensor's step count goes on over the node's rounds on its block."""
+    grid = FakeGrid(3, client_app)
+    summary = run_coordinator(grid, config(tmp_path, keep_optimizer_state=True, versions=4))
+    assert summary["counts"]["rejected"] == 0 and summary["counts"]["errors"] == 0
+    for node, ctx in grid.contexts.items():
+        moments = ctx.state.array_records["moments"].to_torch_state_dict()
+        per_layer = {}  # a layer's tensors belong to one block and step together
+        for key, value in moments.items():
+            if key.endswith(":step"):
+                per_layer.setdefault(key.split(".layers.")[1].split(".")[0], set()).add(int(value))
+        steps = [e["steps"] for e in summary["events"] if e["kind"] == "reply" and e["node"] == node]
+        assert all(len(s) == 1 for s in per_layer.values()), per_layer
+        most = max(max(s) for s in per_layer.values())
+        assert max(steps) < most <= sum(steps), (per_layer, steps)
+
+
 def test_top_k_uploads_are_measured_by_the_steps_of_their_clients_latest_rounds_on_the_block(tmp_path):
     """With error feedback an upload carries what the client's latest rounds on its block left
     in the residual: the clip measures it by the steps of the last `feedback_window` uploads of

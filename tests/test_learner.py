@@ -126,3 +126,35 @@ def test_micro_batches_of_whole_groups_take_the_same_step_as_the_whole_batch(met
     )
     assert whole.keys() == micro.keys()
     assert all(abs(whole[k] - micro[k]) < 1e-5 * max(1.0, abs(whole[k])) for k in whole)
+
+
+def test_a_learner_restored_from_its_moments_takes_the_step_an_unbroken_one_takes():
+    """keep_optimizer_state: a round's Adam continued from the last round's moments steps bit for
+    bit as one Adam that never stopped; moments that do not fit a parameter start it fresh."""
+
+    def batch(p: torch.nn.Parameter, rewards: list[float]) -> PGBatch:
+        logp = torch.log_softmax(p, dim=-1)[:, :1].expand(4, 1)
+        return PGBatch(logp, torch.tensor(rewards), torch.zeros(4, dtype=torch.long), torch.ones(4, 1))
+
+    rewards = [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]]
+    unbroken = torch.nn.Parameter(torch.arange(6.0).reshape(1, 6) / 7)
+    learner = Learner([unbroken], LearnerConfig("reinforce", lr=0.1))
+    for r in rewards:
+        learner.update(batch(unbroken, r))
+
+    split = torch.nn.Parameter(torch.arange(6.0).reshape(1, 6) / 7)
+    moments = {}
+    for r in rewards:  # a fresh learner each "round", as a node makes one
+        round_learner = Learner([split], LearnerConfig("reinforce", lr=0.1))
+        round_learner.restore_moments(["w"], moments)
+        round_learner.update(batch(split, r))
+        moments = round_learner.moments(["w"])
+    assert torch.equal(split, unbroken)
+    assert set(moments) == {"w:step", "w:exp_avg", "w:exp_avg_sq"} and float(moments["w:step"]) == 3
+
+    fresh = torch.nn.Parameter(torch.zeros(2, 3))
+    restarted = Learner([fresh], LearnerConfig("reinforce"))
+    restarted.restore_moments(["w"], moments)  # the moments of a (1, 6) tensor do not fit (2, 3)
+    assert restarted.moments(["w"]) == {}
+    with pytest.raises(ValueError, match="2 names for 1 trainable parameters"):
+        restarted.moments(["w", "v"])

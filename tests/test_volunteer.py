@@ -160,7 +160,8 @@ def test_enrollments_and_decisions_survive_a_restart_of_the_store(tmp_path):
 def test_the_node_state_survives_on_disk_bound_to_its_store(tmp_path):
     t = lambda v: {"a": torch.full((2, 3), v), "b": torch.arange(4.0) * v}  # noqa: E731
     pending = Pending(1, 6, {"a": torch.ones(2, 3)}, {"a": torch.zeros(2, 3)}, 64)
-    state = ClientState(t(1.0), t(2.0), 7, pending, residual={"a": torch.full((2, 3), 1e-4)})
+    moments = {"a:step": torch.tensor(3.0), "a:exp_avg": torch.full((2, 3), 0.5)}
+    state = ClientState(t(1.0), t(2.0), 7, pending, residual={"a": torch.full((2, 3), 1e-4)}, moments=moments)
     save_to_disk(tmp_path, "https://store", state)
     back = load_from_disk(tmp_path, "https://store")
     assert back.held_version == 7 and (
@@ -171,6 +172,9 @@ def test_the_node_state_survives_on_disk_bound_to_its_store(tmp_path):
     assert all(torch.equal(back.held[k], state.held[k]) for k in state.held)
     assert torch.equal(back.pending.new["a"], state.pending.new["a"])
     assert torch.equal(back.residual["a"], state.residual["a"])  # what top-k uploads still owe
+    assert back.moments.keys() == moments.keys() and all(
+        torch.equal(back.moments[k], moments[k]) for k in moments
+    )
     assert load_from_disk(tmp_path, "https://another-store") is None  # another federation's state
     state_path(tmp_path).write_bytes(b"\x00" * 5)  # a torn file (never written so: writes are atomic)
     assert load_from_disk(tmp_path, "https://store") is None
