@@ -120,7 +120,9 @@ def test_a_simulated_volunteers_frictions_reach_the_rollouts_of_its_local_steps(
     def local_steps(runtime):
         seen.clear()
         names = adapter.part.names(instr.block)
-        block_worker.train_steps(instr, adapter, names, dict(adapter.initial), CommResult(), runtime, True)
+        block_worker.train_steps(
+            instr, adapter, names, dict(adapter.initial), CommResult(), runtime, True, {}
+        )
         return list(seen)
 
     honest = local_steps(Runtime())

@@ -92,9 +92,9 @@ def measure_step(invite: Invite, threads: int) -> tuple[float, float, float]:
     before_mb = psutil.Process().memory_info().rss / 2**20
     instr = probe_instruction(invite, invite.prompts)
     warm = instr.replace(steps=1)
-    train_steps(warm, adapter, names, dict(adapter.initial), CommResult(), Runtime(), True)
-    _, _, metrics, (begin, end) = train_steps(
-        instr, adapter, names, dict(adapter.initial), CommResult(), Runtime(), True
+    train_steps(warm, adapter, names, dict(adapter.initial), CommResult(), Runtime(), True, {})
+    _, _, metrics, (begin, end), _ = train_steps(
+        instr, adapter, names, dict(adapter.initial), CommResult(), Runtime(), True, {}
     )
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     return (end - begin) / max(1, len(metrics)), before_mb, peak_mb
