@@ -64,8 +64,7 @@ class Learner:
         self._check_names(names)
         for n, p in zip(names, self.params):
             saved = [moments.get(f"{n}:{k}") for k in ADAM_STATE]
-            step, m, v = saved
-            if step is None or m is None or v is None or m.shape != p.shape or v.shape != p.shape:
+            if any(t is None for t in saved) or any(t.shape != p.shape for t in saved[1:]):
                 continue
             self.optimizer.state[p] = {k: t.clone() for k, t in zip(ADAM_STATE, saved)}
 
