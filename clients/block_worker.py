@@ -26,7 +26,7 @@ import torch
 
 from fedrl.clients.model_cache import ModelCache
 from fedrl.clients.runtime import CommResult, Runtime, Timing, current_runtime
-from fedrl.frictions import StalenessBuffer, lagged_rollout, logit_noise_hook, perturb_and_score
+from fedrl.frictions import lagged_rollout, logit_noise_hook, perturb_and_score
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.lora import AdapterModel
 from fedrl.patch import encode_patch, state_hash
@@ -277,7 +277,7 @@ def train_steps(
     rng = np.random.default_rng([instr.seed, instr.client_id, instr.round])
     gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
     faults = runtime.frictions()  # a simulated volunteer's actor; nothing on a real node
-    history = StalenessBuffer(faults.staleness, faults.staleness_uniform) if faults.staleness else None
+    history = runtime.actor_history()
     noise = logit_noise_hook(faults.logit_noise, gen)
     metrics: list[dict] = []
     compute_start = time.perf_counter()

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from fedrl.frictions import Frictions
+from fedrl.frictions import Frictions, StalenessBuffer
 from fedrl.link import Link, RateLimitedLink
 from fedrl.node_files import leave_request
 
@@ -84,6 +84,12 @@ class Runtime:
     def frictions(self) -> Frictions:
         """What this client's actor suffers (fedrl.frictions; nothing on an honest client)."""
         return Frictions()
+
+    def actor_history(self) -> StalenessBuffer | None:
+        """The snapshots a lagging actor samples from in this round (None: the actor does not
+        lag): a fresh buffer, so it lags at most the round's own steps."""
+        f = self.frictions()
+        return StalenessBuffer(f.staleness, f.staleness_uniform) if f.staleness else None
 
     def poison_update(self, base: dict, new: dict, seed: int, first: dict) -> dict:
         """What a dishonest client hands in for the block's new values (an honest one: `new`);

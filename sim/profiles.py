@@ -17,6 +17,7 @@ A profile file lists groups of identical clients, or draws a group from a named 
     bug_prob = 0.0            # frictions of the client's actor (see fedrl.frictions)
     reward_noise_prob = 0.0
     actor_staleness = 0       # the actor samples with weights up to this many local steps old
+    actor_lags_across_rounds = false  # ...counting earlier rounds' steps (else this round's only)
     logit_noise = 0.0         # std of Gaussian noise on the actor's logits (inference mismatch)
 
     [[client]]
@@ -58,6 +59,7 @@ class ClientProfile(Schema):
     bug_prob: float = 0.0
     reward_noise_prob: float = 0.0
     actor_staleness: int = 0
+    actor_lags_across_rounds: bool = False
     logit_noise: float = 0.0
     attack: str = ""  # a Byzantine client: what it uploads instead of its update (fedrl.sim.attacks)
 

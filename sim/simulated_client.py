@@ -18,7 +18,7 @@ from flwr.app import Context, Error, Message
 from flwr.common.constant import ErrorCode
 
 from fedrl.clients.runtime import CommResult, Runtime, Timing, use_runtime
-from fedrl.frictions import Frictions
+from fedrl.frictions import Frictions, StalenessBuffer
 from fedrl.link import Link
 from fedrl.protocol import InstructionHead
 from fedrl.schema import Schema, SchemaError
@@ -35,11 +35,30 @@ class Stamp(Schema):
     clock: str  # real | virtual
     step_s: float  # seconds of one local step at speed 1
     now_s: float  # the run's clock when the message was sent
+    run: str  # this simulation's token: what keeps one run's actor histories from the next's
+
+
+class ActorHistories:
+    """The snapshots of the actors that lag across rounds, per client: they outlive a message
+    (and so a round) in this process. Only the newest run's are kept. Under Ray a client's
+    messages may go to several worker processes, each with its own history of the rounds it
+    served."""
+
+    def __init__(self):
+        self.run, self.buffers = "", {}
+
+    def get(self, run: str, client_id: int, fresh: StalenessBuffer) -> StalenessBuffer:
+        if run != self.run:
+            self.run, self.buffers = run, {}
+        return self.buffers.setdefault(client_id, fresh)
+
+
+ACTOR_HISTORIES = ActorHistories()
 
 
 class SimulatedRuntime(Runtime):
-    def __init__(self, profile: ClientProfile, virtual: bool, step_s: float):
-        self.profile, self.virtual = profile, virtual
+    def __init__(self, profile: ClientProfile, virtual: bool, step_s: float, actor_key: tuple | None = None):
+        self.profile, self.virtual, self.actor_key = profile, virtual, actor_key
         self.step_v = step_s / profile.speed  # seconds of one step on this client
 
     def open_link(self) -> Link:
@@ -82,6 +101,12 @@ class SimulatedRuntime(Runtime):
             logit_noise=p.logit_noise,
         )
 
+    def actor_history(self) -> StalenessBuffer | None:
+        fresh = super().actor_history()
+        if fresh is None or not self.profile.actor_lags_across_rounds or self.actor_key is None:
+            return fresh
+        return ACTOR_HISTORIES.get(*self.actor_key, fresh)
+
     def poison_update(self, base, new, seed, first):
         return poison(self.profile.attack, base, new, seed, first)
 
@@ -96,11 +121,12 @@ def simulated_client(msg: Message, context: Context, call_next) -> Message:
     except ValueError as err:  # SchemaError, ProfileError and bad JSON alike
         return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=str(err)), reply_to=msg)
     del msg.content[STAMP]
-    runtime = SimulatedRuntime(profile, stamp.clock == "virtual", stamp.step_s)
     try:
         instr = InstructionHead.from_packed(msg.content["instruction"])  # what the round needs of it
     except (KeyError, SchemaError):
         instr = None  # the real app answers a malformed message itself
+    actor_key = (stamp.run, instr.client_id) if instr is not None else None
+    runtime = SimulatedRuntime(profile, stamp.clock == "virtual", stamp.step_s, actor_key)
     if instr is not None:
         rng = np.random.default_rng([instr.seed, instr.client_id, instr.round, 1])
         gone = profile.offline_reason(instr.client_id, stamp.now_s, instr.steps * runtime.step_v, rng)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,6 +64,7 @@ class SimulatedGrid:
 
     def __init__(self, grid, sim: SimConfig, step_s: float, clock, profiles: list[ClientProfile]):
         self.grid, self.sim, self.step_s, self.clock, self.profiles = grid, sim, step_s, clock, profiles
+        self.run = uuid.uuid4().hex
 
     def profile(self, client_id: int) -> ClientProfile:
         return self.profiles[client_id % len(self.profiles)]
@@ -77,7 +79,11 @@ class SimulatedGrid:
         for m in msgs:
             profile = self.profile(InstructionHead.unpack(m.content["instruction"])["client_id"])
             stamp = Stamp(
-                profile=profile.to_json(), clock=self.sim.clock, step_s=self.step_s, now_s=self.clock.now()
+                profile=profile.to_json(),
+                clock=self.sim.clock,
+                step_s=self.step_s,
+                now_s=self.clock.now(),
+                run=self.run,
             )
             m.content[STAMP] = ConfigRecord(stamp.to_record())
         return self.grid.push_messages(msgs)

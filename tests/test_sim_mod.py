@@ -18,15 +18,9 @@ INSTRUCTION = split_instruction(
 )[0].to_packed()
 
 
-def _message(profile: dict) -> Message:
-    content = RecordDict(
-        {
-            "instruction": ConfigRecord(INSTRUCTION),
-            STAMP: ConfigRecord(
-                Stamp(profile=json.dumps(profile), clock="virtual", step_s=1.0, now_s=0.0).to_record()
-            ),
-        }
-    )
+def _message(profile: dict, run: str = "r") -> Message:
+    stamp = Stamp(profile=json.dumps(profile), clock="virtual", step_s=1.0, now_s=0.0, run=run)
+    content = RecordDict({"instruction": ConfigRecord(INSTRUCTION), STAMP: ConfigRecord(stamp.to_record())})
     return Message(content, dst_node_id=1, message_type="train.block")
 
 
@@ -94,3 +88,27 @@ def test_on_the_virtual_clock_a_patch_lands_by_virtual_time_not_by_the_comm_thre
     assert virtual.landed(comm_finishing_late(), steps_done=3)  # waits for the thread: landed by step 3
     assert not virtual.landed(comm_finishing_late(), steps_done=2)  # not yet at step 2
     assert not SimulatedRuntime(profile, virtual=False, step_s=1.0).landed(comm_finishing_late(), 3)
+
+
+def test_an_actor_that_lags_across_rounds_keeps_its_snapshots_for_the_run():
+    """One history per client for a whole run when its actor lags across rounds (so it may
+    sample with an earlier round's weights); a fresh one per round otherwise; none without lag."""
+    histories = []
+
+    def real_app(msg, context):
+        from fedrl.clients.runtime import current_runtime
+
+        histories.append(current_runtime().actor_history())
+        return Message(RecordDict(), reply_to=msg)
+
+    across = {"name": "x", "actor_staleness": 4, "actor_lags_across_rounds": True}
+    within = {"name": "x", "actor_staleness": 4}
+    for profile, run in [(across, "r"), (across, "r"), (across, "s"), (within, "s"), (within, "s")]:
+        simulated_client(_message(profile, run), _context(), real_app)
+    simulated_client(_message({"name": "x"}), _context(), real_app)
+    first, again, next_run, round_a, round_b, honest = histories
+    first.push("round 1's last weights")
+    assert again is first and again.get(0) == "round 1's last weights"
+    assert next_run is not first and not next_run.snapshots  # a new run starts afresh
+    assert round_a is not round_b and round_a.max_age == round_b.max_age == 4
+    assert honest is None

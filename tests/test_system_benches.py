@@ -98,27 +98,49 @@ def test_two_benchmark_invocations_within_one_second_get_folders_of_their_own(tm
     assert second.name == "bench-runs-20260101-000000-2"
 
 
-def test_friction_profiles_make_the_asked_shares_buggy_noisy_stale_and_mismatched():
+def _methods_args(*argv: str):
+    """`fedrl bench methods`'s flags as its own parser reads them, defaults included."""
     import argparse
+
+    from fedrl.sim.bench.methods import add_arguments
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_friction_profiles_make_the_asked_shares_buggy_noisy_stale_and_mismatched():
     import json
 
     from fedrl.sim.bench.methods import friction_profiles, volunteer_frictions
 
-    flags = dict(
-        buggy=0.25, noisy=0.25, strength=0.3, stale=0.0, actor_staleness=6, mismatched=0.0, logit_noise=0.5
+    # the defaults: 2 buggy + 2 noisy of 8, strength 0.3
+    profiles = json.loads(
+        friction_profiles(8, volunteer_frictions(_methods_args("--actor-staleness", "6")), seed=0)
     )
-    profiles = json.loads(friction_profiles(8, volunteer_frictions(argparse.Namespace(**flags)), seed=0))
     assert sum(p["bug_prob"] == 0.3 for p in profiles) == 2
     assert sum(p["reward_noise_prob"] == 0.3 for p in profiles) == 2
     assert not any(p["bug_prob"] and p["reward_noise_prob"] for p in profiles)
     assert not any(p["actor_staleness"] or p["logit_noise"] for p in profiles)
     assert len({p["speed"] for p in profiles}) > 4  # still the heterogeneous mixed-volunteers mix
-    flags |= dict(buggy=0.0, stale=0.25, mismatched=0.5)
-    profiles = json.loads(friction_profiles(8, volunteer_frictions(argparse.Namespace(**flags)), seed=0))
+    flags = [
+        "--actor-staleness",
+        "6",
+        "--buggy",
+        "0",
+        "--stale",
+        "0.25",
+        "--lag-across-rounds",
+        "--mismatched",
+        "0.5",
+    ]
+    profiles = json.loads(friction_profiles(8, volunteer_frictions(_methods_args(*flags)), seed=0))
     assert [p["name"].rsplit("-", 1)[-1] for p in profiles] == ["noisy"] * 2 + ["stale"] * 2 + [
         "mismatched"
     ] * 4
     assert [p["actor_staleness"] for p in profiles] == [0] * 2 + [6] * 2 + [0] * 4
+    assert [p["actor_lags_across_rounds"] for p in profiles] == [False] * 2 + [True] * 2 + [False] * 4
     assert [p["logit_noise"] for p in profiles] == [0.0] * 4 + [0.5] * 4
 
 
@@ -143,23 +165,17 @@ def test_bench_methods_on_a_scenario_takes_its_clients_and_budget_with_overrides
 
 
 def test_bench_methods_friction_setup_takes_rule_overrides_and_refuses_unknown_keys():
-    import argparse
-
     from fedrl.schema import SchemaError
     from fedrl.sim.bench.methods import friction_setup
 
-    flags = dict(
-        buggy=0.25, noisy=0.25, strength=0.3, stale=0.0, actor_staleness=8, mismatched=0.0, logit_noise=1.0
-    )
-    flags |= dict(clients=None, budget_s=None, target=0.15, quick=False, model="tiny-gpt-base", lr=1e-4)
-    base, *_ = friction_setup(argparse.Namespace(**flags, set=None))
+    base, *_ = friction_setup(_methods_args("--logit-noise", "1.0"))
     assert base.clip_multiple == 1.0 and base.direction_probe == 64  # the default rule
     old_rule = ["clip-multiple=3", "direction_probe=0"]
-    base, _, _, setting, _ = friction_setup(argparse.Namespace(**flags, set=old_rule))
+    base, _, _, setting, _ = friction_setup(_methods_args("--logit-noise", "1.0", "--set", *old_rule))
     assert base.clip_multiple == 3.0 and base.direction_probe == 0 and base.lr == 1e-4
     assert setting["overrides"] == {"clip_multiple": 3, "direction_probe": 0}
     with pytest.raises(SchemaError, match="no_such_key"):
-        friction_setup(argparse.Namespace(**flags, set=["no_such_key=1"]))
+        friction_setup(_methods_args("--set", "no_such_key=1"))
 
 
 def test_samples_to_target_counts_every_step_the_clients_ran_before_the_eval():

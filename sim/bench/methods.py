@@ -40,7 +40,11 @@ def volunteer_frictions(args) -> list[tuple[str, float, dict]]:
     return [
         ("buggy", args.buggy, {"bug_prob": args.strength}),
         ("noisy", args.noisy, {"reward_noise_prob": args.strength}),
-        ("stale", args.stale, {"actor_staleness": args.actor_staleness}),
+        (
+            "stale",
+            args.stale,
+            {"actor_staleness": args.actor_staleness, "actor_lags_across_rounds": args.lag_across_rounds},
+        ),
         ("mismatched", args.mismatched, {"logit_noise": args.logit_noise}),
     ]
 
@@ -91,6 +95,11 @@ def add_arguments(parser) -> None:
         type=int,
         default=8,
         help="a stale client's actor samples with its weights of up to this many local steps ago (uniform)",
+    )
+    parser.add_argument(
+        "--lag-across-rounds",
+        action="store_true",
+        help="a stale client's actor counts its earlier rounds' steps too (else the round's own only)",
     )
     parser.add_argument(
         "--mismatched",
