@@ -361,12 +361,15 @@ class Coordinator:
         return True
 
     def refresh_nodes(self) -> None:
-        """Take the Grid's current nodes (at most once a second); joins and departures are
-        events, ids stay stable. A node that withdrew counts as gone while the Grid still lists
-        it; once it is no longer listed it may come back as any node does."""
-        if time.monotonic() - self.last_refresh < self.refresh_every_s:
+        """Take the Grid's current nodes (at most once a second on the run's clock, so a virtual
+        run retries a node that was unavailable at the same virtual time however fast the machine
+        runs; on a virtual clock at once when nothing is out, since nothing else would move it);
+        joins and departures are events, ids stay stable. A node that withdrew counts as gone
+        while the Grid still lists it; once it is no longer listed it may come back as any node does."""
+        idle_virtual = self.clock.virtual and not self.in_flight
+        if self.now() - self.last_refresh < self.refresh_every_s and not idle_virtual:
             return
-        self.last_refresh = time.monotonic()
+        self.last_refresh = self.now()
         self.unavailable.clear()
         listed = set(self.grid.get_node_ids())
         self.withdrawn &= listed

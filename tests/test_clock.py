@@ -1,4 +1,5 @@
 import json
+import time
 
 import pytest
 from fake_grid import FakeGrid, small_config
@@ -131,3 +132,40 @@ def test_virtual_deadline_cuts_stragglers_and_dropouts_are_errors(tmp_path):
     assert sum("deadline 50.0 s exceeded" in r for r in errors) == 2  # the straggler, each round
     assert sum("dropped out" in r for r in errors) == 2
     assert summary["time_s"] == pytest.approx(100.0)  # each round closes at its deadline
+
+
+class SlowGrid(FakeGrid):
+    """Answers as FakeGrid does, on a machine that is much slower in wall-clock time."""
+
+    def pull_messages(self, ids):
+        time.sleep(0.15)
+        return super().pull_messages(ids)
+
+
+def test_a_virtual_run_with_dropouts_repeats_however_slow_the_machine(tmp_path):
+    """A node that dropped out is tried again a refresh period later on the run's clock, not the
+    wall's: the same virtual run on a slow machine sends the same messages at the same times."""
+    profiles = [
+        {"name": "ok", "speed": 1.0},
+        {"name": "flaky", "dropout": 0.5},
+        {"name": "slow", "speed": 0.8},
+    ]
+    runs = []
+    for grid, name in ((FakeGrid(3, client_app), "fast"), (SlowGrid(3, client_app), "slow")):
+        cfg, sim = virtual_run(
+            tmp_path / name,
+            profiles,
+            mode="parablock",
+            sync=False,
+            versions=12,
+            buffer_size=1,
+            deadline_s=3.0,
+        )
+        summary = run_simulated(grid, cfg, sim)
+        runs.append(
+            [(e["kind"], e.get("node"), e["t"]) for e in summary["events"] if e["kind"] in ("reply", "error")]
+        )
+    fast, slow = runs
+    dropped = [t for kind, node, t in fast if kind == "error"]
+    assert dropped and any(kind == "reply" and node == 2 and t > dropped[0] for kind, node, t in fast)
+    assert fast == slow
