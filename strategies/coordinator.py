@@ -124,7 +124,7 @@ class Coordinator:
     """Use as a context manager: everything it starts (store, clients, threads) is closed on exit,
     also when setting up fails half way."""
 
-    refresh_every_s = 1.0  # how often the Grid is asked which nodes are connected
+    refresh_every_s = 1.0  # how often the Grid is asked which nodes are connected (run-clock seconds)
 
     def __init__(self, grid, cfg: RunConfig, clock: Clock | None = None, progress=None):
         check_failpoint_env()

@@ -143,8 +143,9 @@ class SlowGrid(FakeGrid):
 
 
 def test_a_virtual_run_with_dropouts_repeats_however_slow_the_machine(tmp_path):
-    """A node that dropped out is tried again a refresh period later on the run's clock, not the
-    wall's: the same virtual run on a slow machine sends the same messages at the same times."""
+    """A node that dropped out is tried again at the next refresh of the node list, which is
+    timed on the run's clock, not the wall's: the same virtual run on a slow machine sends the
+    same messages at the same virtual times."""
     profiles = [
         {"name": "ok", "speed": 1.0},
         {"name": "flaky", "dropout": 0.5},
