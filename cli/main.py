@@ -102,6 +102,14 @@ def cmd_certs(args) -> int:
     return 0
 
 
+def supernode(supernode_args: list[str]) -> int:
+    from fedrl.deploy.federation import flwr_env, tool
+    from fedrl.deploy.warm_clientapp import exec_with_launcher
+
+    exec_with_launcher([tool("flower-supernode"), *supernode_args], flwr_env())
+    return 1  # not reached: the process is the SuperNode now
+
+
 def cmd_deploy(args) -> int:
     import signal
 
@@ -357,6 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", nargs="*", default=[], help="SuperNode names to make key pairs for")
     p.set_defaults(func=cmd_certs)
 
+    # listed for --help only: main() hands everything after `supernode` to flower-supernode
+    sub.add_parser(
+        "supernode",
+        help="flower-supernode with warm ClientApp launches (fedrl.deploy.warm_clientapp); every argument "
+        "is flower-supernode's (`fedrl supernode --help` shows them)",
+    )
+
     p = sub.add_parser(
         "deploy",
         help="a real deployment: `local` runs every service as a process here; `node` and `submit` "
@@ -446,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["supernode"]:  # options included, they are flower-supernode's
+        return supernode(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -3,7 +3,8 @@
 `fedrl deploy node`: a SuperNode that brings its own identity. It makes an EC key pair on
 first start (kept in the container's own layer, so each `--scale` replica is a node of its
 own and a restarted container is the same node), registers the public key with the SuperLink,
-picks a free port for its Runtime API and then becomes `flower-supernode`.
+picks a free port for its Runtime API, starts its warm ClientApp launcher
+(fedrl.deploy.warm_clientapp) and then becomes `flower-supernode`.
 
 `fedrl deploy submit`: the one-shot submitter. It waits for the nodes, submits the deployment
 app with the stack's store, TLS and state settings, waits for the run to finish and prints
@@ -20,6 +21,7 @@ from pathlib import Path
 from fedrl.certs import make_node_key
 from fedrl.deploy.federation import DeployError, Federation, run_config, tool
 from fedrl.deploy.local import free_port
+from fedrl.deploy.warm_clientapp import exec_with_launcher
 
 
 def node(superlink: str, certs: Path, home: Path, timeout_s: float = 300.0) -> None:
@@ -45,7 +47,7 @@ def node(superlink: str, certs: Path, home: Path, timeout_s: float = 300.0) -> N
     argv = [tool("flower-supernode"), "--superlink", superlink, "--root-certificates", str(certs / "ca.pem")]
     argv += ["--auth-supernode-private-key", str(key), "--port", str(free_port())]
     argv += ["--node-config", node_config]
-    os.execve(argv[0], argv, federation.env())
+    exec_with_launcher(argv, federation.env())
 
 
 def submit(superlink: str, certs: Path, home: Path, nodes: int, config: dict, timeout_s: float) -> int:

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from rich.console import Console
 
 from fedrl.deploy.federation import flwr_env, tool
 from fedrl.deploy.local import free_port, stop_groups
+from fedrl.deploy.warm_clientapp import WarmLauncher
 from fedrl.invite import Invite
 from fedrl.node_files import (
     APPROVED,
@@ -54,6 +56,7 @@ from fedrl.volunteer.probe import Limits, probe_json, probe_matches, probe_table
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
 SESSION_RELEASE_S = 150.0  # how long a crashed node's old session may hold its key (Flower: ~60 s)
+MEMORY_CHECK_S = 5.0  # how often the session sums the node's memory against --max-memory
 IDLE_LEAVE_S = 30.0  # an idle node with a delta to hand in gets its next message within seconds, or goes
 # Flower's SuperLink answers NODE_UNAVAILABLE for a message whose node has gone offline, even when
 # the reply is already there: the node stays up until the coordinator's goodbye says it pulled its
@@ -102,6 +105,7 @@ class Session:
         if self.on_exit not in ON_EXIT:
             raise ValueError(f"on_exit must be one of {ON_EXIT}, got {self.on_exit!r}")
         self.proc: subprocess.Popen | None = None
+        self.launcher: subprocess.Popen | None = None  # warm ClientApps, kept across node restarts
         self.signals = 0
         self.node_id: int | None = None
         self.leave_at: float | None = None
@@ -217,15 +221,14 @@ class Session:
         env = flwr_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         cpus = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else None
         self.log_offset = self.log_path().stat().st_size if self.log_path().exists() else 0
+        popen = dict(cwd=self.home.data, start_new_session=True)  # Ctrl-C is the session's to handle
+        popen["preexec_fn"] = confinement(cpus, self.limits.max_memory_mb)
         with open(self.log_path(), "ab") as log:
+            if self.launcher is None or self.launcher.poll() is not None:
+                self.warm = WarmLauncher.create()
+                self.launcher = self.warm.start(env, stdout=log, stderr=subprocess.STDOUT, **popen)
             self.proc = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=self.home.data,
-                start_new_session=True,
-                preexec_fn=confinement(cpus, self.limits.max_memory_mb),
+                argv, stdout=log, stderr=subprocess.STDOUT, env=self.warm.env(env), **popen
             )
         self.first_try = self.first_try or time.monotonic()
 
@@ -242,16 +245,26 @@ class Session:
         if self.proc is not None:
             stop_groups([self.proc], sig, timeout_s)
 
+    def stop_launcher(self) -> None:
+        if self.launcher is not None:
+            stop_groups([self.launcher], signal.SIGTERM, 10.0)
+            shutil.rmtree(self.warm.directory, ignore_errors=True)  # a killed launcher leaves it
+
     def memory_mb(self) -> float:
-        try:
-            root = psutil.Process(self.proc.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return 0.0
+        """What the node uses: the SuperNode's processes, the launcher's and its ClientApps', by
+        proportional set size (a page the launcher shares with the ClientApps it forked counts
+        once; reading it costs ~10 ms a process, so the session looks every MEMORY_CHECK_S)."""
+        procs = []
+        for proc in (self.proc, self.launcher):
+            try:
+                root = psutil.Process(proc.pid)
+                procs += [root, *root.children(recursive=True)]
+            except (psutil.Error, AttributeError):
+                pass
         total = 0
         for p in procs:
             try:
-                total += p.memory_info().rss
+                total += p.memory_full_info().pss
             except psutil.Error:
                 pass
         return total / 2**20
@@ -310,24 +323,28 @@ class Session:
             for s, h in handlers.items():
                 signal.signal(s, h)
             self.stop_node()
+            self.stop_launcher()
         write_json(self.home.session, {"pid": os.getpid(), "ended": time.time(), "clean": True})
         (self.home.state_dir / LEAVE).unlink(missing_ok=True)
         return code
 
     def serve(self, crashed_before: bool) -> int:
         line = StatusLine(self.console)
-        connected_once, restarts = False, 0
+        connected_once, restarts, next_memory_check = False, 0, 0.0
         self.start_node()
         while True:
             if self.leave_at is None and (self.until and time.time() >= self.until):
                 self.say("\nthe time given is up: leaving")
                 self.request_leave()
-            if self.limits.max_memory_mb and self.memory_mb() > self.limits.max_memory_mb:
-                self.say(f"\nthe node went over --max-memory {self.limits.max_memory_mb:.0f} MB: stopping it")
-                self.on_exit = "drop"
-                self.request_leave()
-                self.stop_node()
-                return EXIT_FAILED
+            if self.limits.max_memory_mb and time.monotonic() >= next_memory_check:
+                next_memory_check = time.monotonic() + MEMORY_CHECK_S
+                if self.memory_mb() > self.limits.max_memory_mb:
+                    cap = self.limits.max_memory_mb
+                    self.say(f"\nthe node went over --max-memory {cap:.0f} MB: stopping it")
+                    self.on_exit = "drop"
+                    self.request_leave()
+                    self.stop_node()
+                    return EXIT_FAILED
             log = self.node_log()
             if self.node_id is None and (found := re.search(r"SuperNode ID: (\d+)", log)):
                 self.node_id, connected_once = int(found.group(1)), True

@@ -1,0 +1,237 @@
+"""Warm ClientApp launches: Flower's own `flwr-clientapp`, forked from a process that has
+already imported torch, transformers, peft and fedrl's client.
+
+A SuperNode (subprocess isolation) starts a fresh `flwr-clientapp` process for every message,
+and importing fedrl's client with peft and transformers takes 8-11 s of CPU on a 2-core
+machine, where a round of the tiny model takes about one. A warm launcher pays the imports
+once and forks a child per launch; the child runs Flower's `flwr_clientapp()` unchanged, with
+the launching process's argv, environment, working directory and stdin/stdout/stderr. The
+SuperNode finds it through a shim named `flwr-clientapp` first on its PATH
+(deploy/clientapp_shim.py), which falls back to Flower's command when no launcher answers.
+
+The socket lives in a fresh 0700 directory and a peer of another uid is refused: whoever can
+launch a ClientApp chooses its Runtime API address, and so the code it runs. The launcher
+exits when its parent does (the volunteer's session, the deployment, or the process that
+became `flower-supernode`), and a killed launcher's socket is simply not answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import importlib
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+ENTRY = "flwr.supernode.cli.flwr_clientapp:flwr_clientapp"  # Flower's own `flwr-clientapp`
+PRELOAD = ("torch", "transformers", "peft", "fedrl.lora", "fedrl.clients.client_app")
+PREFIX, SOCKET, PID = "fedrl-warm-", "launcher.sock", "pid"
+SHIM = Path(__file__).with_name("clientapp_shim.py")
+MAX_REQUEST = 1 << 20
+
+
+@dataclass(frozen=True)
+class WarmLauncher:
+    """A launcher's directory (its socket and the shim) and how to start it and a SuperNode."""
+
+    directory: Path
+    entry: str = ENTRY
+    preload: tuple[str, ...] = PRELOAD
+
+    @classmethod
+    def create(cls, entry: str = ENTRY, preload: tuple[str, ...] = PRELOAD) -> WarmLauncher:
+        prune_killed()
+        directory = Path(tempfile.mkdtemp(prefix=PREFIX))  # 0700
+        (directory / "bin").mkdir()
+        shim = directory / "bin" / "flwr-clientapp"
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "{SHIM}" "$@"\n')
+        shim.chmod(0o700)
+        return cls(directory, entry, preload)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.directory / SOCKET
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "fedrl.deploy.warm_clientapp", str(self.socket_path)]
+        return argv + ["--entry", self.entry, "--preload", ",".join(self.preload)]
+
+    def start(self, env: dict[str, str], **popen) -> subprocess.Popen:
+        """The launcher as a child of this process, with `env` (the thread and memory limits of
+        the ClientApps it forks); it exits when this process does."""
+        return subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, env=env, **popen)
+
+    def env(self, env: dict[str, str]) -> dict[str, str]:
+        """`env` for a SuperNode whose ClientApps this launcher starts."""
+        return {
+            **env,
+            "PATH": f"{self.directory / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+            "FEDRL_WARM_SOCKET": str(self.socket_path),
+            "FEDRL_FLWR_CLIENTAPP": flwr_clientapp_command(env),
+        }
+
+    def ready(self) -> bool:
+        return self.socket_path.exists()
+
+
+def prune_killed() -> None:
+    """Remove the directories that killed launchers left (a launcher that exits removes its own)."""
+    for directory in Path(tempfile.gettempdir()).glob(PREFIX + "*"):
+        try:
+            if directory.owner() == getpass.getuser() and not psutil.pid_exists(
+                int((directory / PID).read_text())
+            ):
+                shutil.rmtree(directory, ignore_errors=True)
+        except (OSError, ValueError, KeyError):  # not started yet, or not ours
+            pass
+
+
+def exec_with_launcher(argv: list[str], env: dict[str, str]) -> None:
+    """Become `argv` (a SuperNode: `flower-supernode ...`), with a warm launcher as a child that
+    goes when it does; never returns."""
+    launcher = WarmLauncher.create()
+    launcher.start(env)
+    os.execve(argv[0], argv, launcher.env(env))
+
+
+def flwr_clientapp_command(env: dict[str, str]) -> str:
+    beside = Path(sys.executable).parent / "flwr-clientapp"
+    found = str(beside) if beside.exists() else shutil.which("flwr-clientapp", path=env.get("PATH"))
+    if not found:
+        raise FileNotFoundError("flwr-clientapp not found: install flwr in this environment")
+    return found
+
+
+# ---------------------------------------------------------------------------- the launcher
+
+
+def resolve(entry: str):
+    module, _, name = entry.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def receive(conn: socket.socket) -> tuple[list[int], dict]:
+    """The shim's file descriptors and request; ValueError for anything else."""
+    pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    if uid != os.getuid():
+        raise ValueError(f"refused a launch from pid {pid}: uid {uid} is not this launcher's")
+    conn.settimeout(10.0)
+    _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+    try:
+        size = int.from_bytes(read_exactly(conn, 4), "big")
+        if size > MAX_REQUEST:
+            raise ValueError(f"a launch request of {size} bytes")
+        request = json.loads(read_exactly(conn, size))
+        if len(fds) != 3 or set(request) != {"argv", "env", "cwd"}:
+            raise ValueError("a launch request without stdin/stdout/stderr, argv, env and cwd")
+    except (ValueError, OSError):
+        for fd in fds:
+            os.close(fd)
+        raise
+    conn.settimeout(None)
+    return fds, request
+
+
+def read_exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ValueError("the launch request ended early")
+        data += chunk
+    return data
+
+
+def run_child(conn: socket.socket, fds: list[int], request: dict, entry) -> None:
+    """In the forked child: become the launching process and run `entry`; never returns."""
+    code = 1
+    try:
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = ["flwr-clientapp", *request["argv"]]
+        conn.sendall(f"{os.getpid()}\n".encode())
+        try:
+            entry()
+            code = 0
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:  # everything, so that the child never returns into the accept loop
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            conn.sendall(f"{code}\n".encode())
+        except BaseException:
+            pass
+        os._exit(code)
+
+
+def serve(socket_path: Path, entry_ref: str, preload: list[str]) -> None:
+    started, parent = time.monotonic(), os.getppid()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # to the finally below
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        (socket_path.parent / PID).write_text(str(os.getpid()))
+        for name in preload:
+            importlib.import_module(name)
+        entry = resolve(entry_ref)
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+        listener.settimeout(1.0)
+        listener.bind(str(socket_path) + ".new")
+        listener.listen(16)
+        os.rename(str(socket_path) + ".new", socket_path)  # appears only once it accepts
+        print(f"warm ClientApp launcher ready in {time.monotonic() - started:.1f} s", flush=True)
+        while os.getppid() == parent:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            try:
+                fds, request = receive(conn)
+            except (OSError, ValueError) as err:
+                print(f"warm ClientApp launcher: {err}", flush=True)
+                conn.close()
+                continue
+            if os.fork() == 0:
+                listener.close()
+                run_child(conn, fds, request, entry)
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+    finally:
+        listener.close()
+        # the shim goes with the socket: a SuperNode that outlives its launcher finds Flower's own
+        shutil.rmtree(socket_path.parent, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("socket", type=Path)
+    parser.add_argument("--entry", default=ENTRY, help="module:function a child runs")
+    parser.add_argument("--preload", default=",".join(PRELOAD), help="modules to import once")
+    args = parser.parse_args()
+    serve(args.socket, args.entry, [name for name in args.preload.split(",") if name])
+
+
+if __name__ == "__main__":
+    main()

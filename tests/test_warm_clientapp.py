@@ -1,0 +1,120 @@
+"""The warm ClientApp launcher (fedrl.deploy.warm_clientapp) and its `flwr-clientapp` shim, as real
+processes: a launch runs in a forked child with the launching process's argv, environment,
+working directory and standard streams and ends with its exit code; signals reach the child;
+a bad request or a failing app leaves the launcher serving; without a launcher the shim runs
+Flower's own command; a launcher goes when its parent does. The real thing (Flower's
+`flwr_clientapp` after torch, transformers and peft) runs in the deployment tests."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from waiting import wait_for
+
+from fedrl.deploy.warm_clientapp import WarmLauncher, prune_killed
+
+TESTS = str(Path(__file__).parent)
+
+
+def launcher_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.fixture
+def launcher():
+    warm = WarmLauncher.create(entry="warm_entry:report", preload=("warm_entry",))
+    proc = warm.start(launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    wait_for(warm.ready, 60, "the launcher")
+    yield warm, proc
+    proc.terminate()
+    proc.wait(10)
+    shutil.rmtree(warm.directory, ignore_errors=True)  # a killed launcher leaves it
+
+
+def launch(warm: WarmLauncher, *args: str, stdin: str = "", cwd: str = "/", **popen):
+    env = warm.env({**os.environ, "PROBE": "handed-over"})
+    return subprocess.run(
+        ["flwr-clientapp", *args], input=stdin, capture_output=True, text=True, env=env, cwd=cwd, **popen
+    )
+
+
+def test_a_launch_runs_forked_with_the_launchers_argv_env_cwd_and_streams(launcher, tmp_path):
+    warm, proc = launcher
+    done = launch(warm, "3", "--token", "t", stdin="hello\n", cwd=str(tmp_path), timeout=30)
+    assert done.returncode == 3, done
+    assert f"argv=['3', '--token', 't'] probe=handed-over cwd={tmp_path} stdin=hello" in done.stdout
+    assert done.stderr.strip() == "on stderr"
+    child = int(done.stdout.split("pid=")[1])
+    assert child != proc.pid and proc.poll() is None
+    # a failing app ends its own launch only; the next one is served
+    failed = launch(warm, "raise", timeout=30)
+    assert failed.returncode == 1 and "RuntimeError: the app failed" in failed.stderr
+    assert launch(warm, "0", timeout=30).returncode == 0
+
+
+def test_a_signal_to_the_shim_reaches_the_child(launcher):
+    warm, _ = launcher
+    shim = subprocess.Popen(
+        ["flwr-clientapp", "wait"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=warm.env(dict(os.environ)),
+    )
+    assert "argv=['wait']" in shim.stdout.readline()
+    shim.send_signal(signal.SIGTERM)
+    assert shim.wait(30) == 7  # the child's own SIGTERM handler chose the code
+
+
+def test_a_malformed_request_is_refused_and_the_launcher_serves_on(launcher):
+    warm, proc = launcher
+    for payload in (b"", b"F", b"F\x00\x00\x00\x05{bad}", b"F\xff\xff\xff\xff"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(warm.socket_path))
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(100) == b""  # no child: nothing comes back
+    assert proc.poll() is None
+    assert launch(warm, "0", timeout=30).returncode == 0
+
+
+def test_without_a_launcher_the_shim_runs_flowers_own_command_and_its_directory_is_pruned(launcher):
+    warm, proc = launcher
+    proc.kill()
+    proc.wait(10)
+    done = launch(warm, "--help", timeout=60)
+    assert done.returncode == 0 and "--runtime-api-address" in done.stdout
+    # what the killed launcher left goes when the next one is made; a live one's stays
+    assert warm.directory.exists()
+    alive = WarmLauncher.create(entry="warm_entry:report", preload=())
+    other = alive.start(launcher_env())
+    wait_for(alive.ready, 60, "another launcher")
+    assert not warm.directory.exists()
+    prune_killed()
+    assert alive.ready()
+    other.terminate()
+    other.wait(10)
+
+
+def test_a_launcher_goes_with_its_parent_and_takes_its_directory():
+    warm = WarmLauncher.create(entry="warm_entry:report", preload=())
+    starts_then_waits = "import subprocess, sys; subprocess.Popen(sys.argv[1:]); input()"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", starts_then_waits, *warm.argv()],
+        stdin=subprocess.PIPE,
+        env=launcher_env(),
+    )
+    wait_for(warm.ready, 60, "the launcher")
+    parent.stdin.close()  # the parent exits
+    parent.wait(10)
+    wait_for(lambda: not warm.directory.exists(), 15, "the launcher to go")
+
+
+def test_fedrl_supernode_hands_every_argument_to_flower_supernode():
+    shown = subprocess.run(["fedrl", "supernode", "-V"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "Flower version" in shown.stdout, shown
