@@ -212,7 +212,12 @@ def serve(socket_path: Path, entry_ref: str, preload: list[str]) -> None:
                 print(f"warm ClientApp launcher: {err}", flush=True)
                 conn.close()
                 continue
-            if os.fork() == 0:
+            try:
+                child = os.fork()
+            except OSError as err:  # the shim sees no child and runs Flower's own command
+                print(f"warm ClientApp launcher: cannot fork: {err}", flush=True)
+                child = -1
+            if child == 0:
                 listener.close()
                 run_child(conn, fds, request, entry)
             for fd in fds:

@@ -48,6 +48,7 @@ def test_tokens_expire_and_times_outside_the_skew_are_refused():
         ("GET", "/catalog?x=1", SECRET, "another path"),
         ("GET", "/catalog", new_secret(), "another store's secret"),
     ],
+    ids=["method", "path", "secret"],  # a random secret in an id differs between xdist workers
 )
 def test_a_signature_binds_method_path_and_secret(method, path, secret, why):
     with pytest.raises(CredentialError, match="does not verify"):
