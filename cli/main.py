@@ -463,8 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["supernode"]:  # options included, they are flower-supernode's
-        return supernode(argv[1:])
-    args = build_parser().parse_args(argv)
+        args = argparse.Namespace(command="supernode", func=lambda args: supernode(argv[1:]))
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, OSError, ModuleNotFoundError, TimeoutError) as err:  # SchemaError is a ValueError

@@ -8,17 +8,16 @@
   run/          the coordinator's output: summary.json, the adapter
 The processes: `fedrl patch-store` (TLS), `flower-superlink` (TLS, SuperNode authentication on,
 a database so registrations survive restarts), N `flower-supernode`s (each with its own EC key
-pair, registered with the SuperLink, each beside a warm ClientApp launcher), and `flwr run`
-submitting the deployment app (fedrl/deploy/app: fedrl's real ServerApp and ClientApp). Each
-process gets its own process group, so stopping one stops what it started (SuperExec,
-ServerApp, ClientApp processes; a launcher's forked ClientApps).
+pair, registered with the SuperLink, started as `fedrl supernode`: warm ClientApp launches),
+and `flwr run` submitting the deployment app (fedrl/deploy/app: fedrl's real ServerApp and
+ClientApp). Each process gets its own process group, so stopping one stops what it started
+(SuperExec, ServerApp, ClientApp processes, a node's warm launcher and what it forked).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +27,6 @@ from pathlib import Path
 from fedrl.certs import make_ca, make_node_key, make_server_cert
 from fedrl.credentials import load_or_create_secret
 from fedrl.deploy.federation import DeployError, Federation, app_config, run_config, tool
-from fedrl.deploy.warm_clientapp import WarmLauncher
 from fedrl.invite import Invite, make_invite
 from fedrl.protocol import LearnerSettings
 
@@ -103,7 +101,6 @@ class LocalDeployment:
         self.store_port = free_port(host)
         self.node_ports: dict[int, int] = {}  # SuperNode i's own Runtime API port, picked on first start
         self.procs: dict[str, subprocess.Popen] = {}
-        self.launchers: dict[str, WarmLauncher] = {}  # by node name
         self.approver = None
         self.prepare()
 
@@ -132,9 +129,7 @@ class LocalDeployment:
 
     # ------------------------------------------------------------------ processes
 
-    def start(
-        self, name: str, argv: list[str], port: int | None = None, env: dict[str, str] | None = None
-    ) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], port: int | None = None) -> subprocess.Popen:
         if name in self.procs and self.procs[name].poll() is None:
             raise DeployError(f"{name} is already running (pid {self.procs[name].pid})")
         if port is not None:
@@ -144,7 +139,7 @@ class LocalDeployment:
             argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env or self.federation.env(),
+            env=self.federation.env(),
             cwd=self.root,
             start_new_session=True,
         )
@@ -203,24 +198,17 @@ class LocalDeployment:
         return self.state / self.node_name(i)
 
     def start_node(self, i: int, key: Path | None = None) -> None:
-        """SuperNode i with its own key (or `key`, e.g. an unregistered one), and its warm
-        ClientApp launcher (fedrl.deploy.warm_clientapp), which outlives a killed SuperNode as a
-        machine's would."""
+        """SuperNode i with its own key (or `key`, e.g. an unregistered one)."""
         name = self.node_name(i)
         self.node_dir(i).mkdir(parents=True, exist_ok=True)
-        launcher = self.launchers.get(name)
-        if launcher is None or self.procs[f"{name}-launcher"].poll() is not None:
-            launcher = self.launchers[name] = WarmLauncher.create()
-            self.start(f"{name}-launcher", launcher.argv())
         node_config = f'ca-file="{self.certs / "ca.pem"}" state-dir="{self.node_dir(i)}"'
         self.start(
             name,
-            [tool("flower-supernode"), "--superlink", f"{self.host}:{self.superlink_port}"]
+            [tool("fedrl"), "supernode", "--superlink", f"{self.host}:{self.superlink_port}"]
             + ["--root-certificates", str(self.certs / "ca.pem")]
             + ["--auth-supernode-private-key", str(key or self.certs / "nodes" / f"{name}.key")]
             + ["--host", self.host, "--port", str(self.node_ports.setdefault(i, free_port(self.host)))]
             + ["--node-config", node_config],
-            env=launcher.env(self.federation.env()),
         )
 
     def up(self) -> None:
@@ -300,8 +288,6 @@ class LocalDeployment:
             self.approver.close()
             self.approver = None
         stop_groups(list(reversed(self.procs.values())), signal.SIGTERM, timeout_s)
-        for launcher in self.launchers.values():  # a launcher that had to be killed leaves it
-            shutil.rmtree(launcher.directory, ignore_errors=True)
 
     def __enter__(self) -> LocalDeployment:
         return self

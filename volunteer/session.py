@@ -21,7 +21,6 @@ import json
 import os
 import re
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +33,6 @@ from rich.console import Console
 
 from fedrl.deploy.federation import flwr_env, tool
 from fedrl.deploy.local import free_port, stop_groups
-from fedrl.deploy.warm_clientapp import WarmLauncher
 from fedrl.invite import Invite
 from fedrl.node_files import (
     APPROVED,
@@ -105,7 +103,6 @@ class Session:
         if self.on_exit not in ON_EXIT:
             raise ValueError(f"on_exit must be one of {ON_EXIT}, got {self.on_exit!r}")
         self.proc: subprocess.Popen | None = None
-        self.launcher: subprocess.Popen | None = None  # warm ClientApps, kept across node restarts
         self.signals = 0
         self.node_id: int | None = None
         self.leave_at: float | None = None
@@ -214,21 +211,22 @@ class Session:
     def start_node(self) -> None:
         key, _ = self.home.node_key()
         threads = self.limits.threads()
-        argv = [tool("flower-supernode"), "--superlink", self.invite.superlink]
+        argv = [tool("fedrl"), "supernode", "--superlink", self.invite.superlink]  # warm launches
         argv += ["--root-certificates", str(self.home.ca_file), "--auth-supernode-private-key", str(key)]
         argv += ["--port", str(free_port()), "--node-config", self.node_config()]
         argv += ["--max-retries", "5", "--max-wait-time", "60"]
         env = flwr_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         cpus = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else None
         self.log_offset = self.log_path().stat().st_size if self.log_path().exists() else 0
-        popen = dict(cwd=self.home.data, start_new_session=True)  # Ctrl-C is the session's to handle
-        popen["preexec_fn"] = confinement(cpus, self.limits.max_memory_mb)
         with open(self.log_path(), "ab") as log:
-            if self.launcher is None or self.launcher.poll() is not None:
-                self.warm = WarmLauncher.create()
-                self.launcher = self.warm.start(env, stdout=log, stderr=subprocess.STDOUT, **popen)
             self.proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=self.warm.env(env), **popen
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.home.data,
+                start_new_session=True,
+                preexec_fn=confinement(cpus, self.limits.max_memory_mb),
             )
         self.first_try = self.first_try or time.monotonic()
 
@@ -245,22 +243,16 @@ class Session:
         if self.proc is not None:
             stop_groups([self.proc], sig, timeout_s)
 
-    def stop_launcher(self) -> None:
-        if self.launcher is not None:
-            stop_groups([self.launcher], signal.SIGTERM, 10.0)
-            shutil.rmtree(self.warm.directory, ignore_errors=True)  # a killed launcher leaves it
-
     def memory_mb(self) -> float:
-        """What the node uses: the SuperNode's processes, the launcher's and its ClientApps', by
-        proportional set size (a page the launcher shares with the ClientApps it forked counts
-        once; reading it costs ~10 ms a process, so the session looks every MEMORY_CHECK_S)."""
-        procs = []
-        for proc in (self.proc, self.launcher):
-            try:
-                root = psutil.Process(proc.pid)
-                procs += [root, *root.children(recursive=True)]
-            except (psutil.Error, AttributeError):
-                pass
+        """What the node uses: the SuperNode and every process under it (its warm launcher and
+        the ClientApps that forked from it), by proportional set size, so a page the launcher
+        shares with them counts once; reading it costs ~10 ms a process, so the session looks
+        every MEMORY_CHECK_S."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0.0
         total = 0
         for p in procs:
             try:
@@ -323,7 +315,6 @@ class Session:
             for s, h in handlers.items():
                 signal.signal(s, h)
             self.stop_node()
-            self.stop_launcher()
         write_json(self.home.session, {"pid": os.getpid(), "ended": time.time(), "clean": True})
         (self.home.state_dir / LEAVE).unlink(missing_ok=True)
         return code
