@@ -9,10 +9,10 @@ the launching process's argv, environment, working directory and stdin/stdout/st
 SuperNode finds it through a shim named `flwr-clientapp` first on its PATH
 (deploy/clientapp_shim.py), which falls back to Flower's command when no launcher answers.
 
-The socket lives in a fresh 0700 directory and a peer of another uid is refused: whoever can
-launch a ClientApp chooses its Runtime API address, and so the code it runs. The launcher
-exits when its parent does (the volunteer's session, the deployment, or the process that
-became `flower-supernode`), and a killed launcher's socket is simply not answered.
+The socket lives in a fresh 0700 directory, and on Linux a peer of another uid is refused too:
+whoever can launch a ClientApp chooses its Runtime API address, and so the code it runs. The
+launcher is started by `fedrl supernode` just before it becomes `flower-supernode`, and exits
+when that process does; a killed launcher's socket is simply not answered.
 """
 
 from __future__ import annotations
@@ -125,9 +125,10 @@ def resolve(entry: str):
 
 def receive(conn: socket.socket) -> tuple[list[int], dict]:
     """The shim's file descriptors and request; ValueError for anything else."""
-    pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    if uid != os.getuid():
-        raise ValueError(f"refused a launch from pid {pid}: uid {uid} is not this launcher's")
+    if hasattr(socket, "SO_PEERCRED"):  # Linux; elsewhere the 0700 directory alone keeps others out
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != os.getuid():
+            raise ValueError(f"refused a launch from pid {pid}: uid {uid} is not this launcher's")
     conn.settimeout(10.0)
     _, fds, _, _ = socket.recv_fds(conn, 1, 3)
     try:

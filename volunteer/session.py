@@ -256,7 +256,8 @@ class Session:
         total = 0
         for p in procs:
             try:
-                total += p.memory_full_info().pss
+                info = p.memory_full_info()
+                total += getattr(info, "pss", info.rss)  # Linux has PSS; elsewhere shared pages count twice
             except psutil.Error:
                 pass
         return total / 2**20
