@@ -160,8 +160,10 @@ def run_child(conn: socket.socket, fds: list[int], request: dict, entry) -> None
     """In the forked child: become the launching process and run `entry`; never returns."""
     code = 1
     try:
-        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, signal.SIG_DFL)
+        # a fresh Python's dispositions, which the launcher changed for itself
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -189,7 +191,8 @@ def run_child(conn: socket.socket, fds: list[int], request: dict, entry) -> None
 
 def serve(socket_path: Path, entry_ref: str, preload: list[str]) -> None:
     started, parent = time.monotonic(), os.getppid()
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # to the finally below
+    for signum in (signal.SIGTERM, signal.SIGINT):  # to the finally below, quietly
+        signal.signal(signum, lambda signum, frame: sys.exit(0))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         (socket_path.parent / PID).write_text(str(os.getpid()))

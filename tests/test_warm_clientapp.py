@@ -47,7 +47,8 @@ def test_a_launch_runs_forked_with_the_launchers_argv_env_cwd_and_streams(launch
     warm, proc = launcher
     done = launch(warm, "3", "--token", "t", stdin="hello\n", cwd=str(tmp_path), timeout=30)
     assert done.returncode == 3, done
-    assert f"argv=['3', '--token', 't'] probe=handed-over cwd={tmp_path} stdin=hello" in done.stdout
+    handed = f"argv=['3', '--token', 't'] probe=handed-over cwd={tmp_path} stdin=hello fresh=True"
+    assert handed in done.stdout
     assert done.stderr.strip() == "on stderr"
     child = int(done.stdout.split("pid=")[1])
     assert child != proc.pid and proc.poll() is None

@@ -12,7 +12,10 @@ def report() -> None:
     if args[:1] == ["wait"]:  # before the line that tells the test to signal
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(7))
     line = sys.stdin.readline().strip()
-    print(f"argv={args} probe={os.environ.get('PROBE')} cwd={os.getcwd()} stdin={line} pid={os.getpid()}")
+    fresh = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as in a new Python
+    fresh = fresh and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    print(f"argv={args} probe={os.environ.get('PROBE')} cwd={os.getcwd()} stdin={line} fresh={fresh}")
+    print(f"pid={os.getpid()}")
     print("on stderr", file=sys.stderr, flush=True)
     sys.stdout.flush()
     if args[:1] == ["wait"]:
