@@ -36,6 +36,8 @@ from pathlib import Path
 
 import psutil
 
+from fedrl.deploy.federation import tool
+
 ENTRY = "flwr.supernode.cli.flwr_clientapp:flwr_clientapp"  # Flower's own `flwr-clientapp`
 PRELOAD = ("torch", "transformers", "peft", "fedrl.lora", "fedrl.clients.client_app")
 PREFIX, SOCKET, PID = "fedrl-warm-", "launcher.sock", "pid"
@@ -80,7 +82,7 @@ class WarmLauncher:
             **env,
             "PATH": f"{self.directory / 'bin'}{os.pathsep}{env.get('PATH', '')}",
             "FEDRL_WARM_SOCKET": str(self.socket_path),
-            "FEDRL_FLWR_CLIENTAPP": flwr_clientapp_command(env),
+            "FEDRL_FLWR_CLIENTAPP": tool("flwr-clientapp"),  # Flower's own, for the shim's fallback
         }
 
     def ready(self) -> bool:
@@ -105,14 +107,6 @@ def exec_with_launcher(argv: list[str], env: dict[str, str]) -> None:
     launcher = WarmLauncher.create()
     launcher.start(env)
     os.execve(argv[0], argv, launcher.env(env))
-
-
-def flwr_clientapp_command(env: dict[str, str]) -> str:
-    beside = Path(sys.executable).parent / "flwr-clientapp"
-    found = str(beside) if beside.exists() else shutil.which("flwr-clientapp", path=env.get("PATH"))
-    if not found:
-        raise FileNotFoundError("flwr-clientapp not found: install flwr in this environment")
-    return found
 
 
 # ---------------------------------------------------------------------------- the launcher
