@@ -82,13 +82,16 @@ SUBMIT=$(compose ps -q submit)
 CODE=$(timeout 1200 docker wait "$SUBMIT")
 docker logs "$SUBMIT" 2>&1 | tail -n 6
 compose logs --no-color patch-store 2>&1 | grep -c "refused" | sed 's/^/store refusals logged: /' || true
+WARM=$(compose logs --no-color supernode 2>&1 | grep -c "warm ClientApp launcher ready" || true)
+echo "warm ClientApp launchers ready: $WARM of $NODES nodes"
 compose ps
 
 SUMMARY=$(docker logs "$SUBMIT" 2>&1 | grep '"final_eval"' | tail -n 1)
-python3 - "$CODE" "$SUMMARY" "$NODES" "$PROMETHEUS_PORT" <<'EOF'
+python3 - "$CODE" "$SUMMARY" "$NODES" "$PROMETHEUS_PORT" "$WARM" <<'EOF'
 import json, sys, urllib.parse, urllib.request
-code, line, nodes, prometheus = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+code, line, nodes, prometheus, warm = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 assert code == 0, f"the submitter exited with {code}"
+assert warm == nodes, f"{warm} of {nodes} nodes' warm ClientApp launchers became ready (fedrl deploy node starts one)"
 s = json.loads(line)
 assert s["versions"] >= 1 and s["counts"]["accepted"] >= nodes, s
 assert s["final_eval"] < s["initial_eval"], f"held-out error did not fall: {s['initial_eval']} -> {s['final_eval']}"

@@ -492,6 +492,10 @@ class Coordinator:
     def expire_overdue(self) -> None:
         """Give up messages whose reply has not come within their wall-clock watchdog."""
         now = time.monotonic()
+        if any(not d.arrived and now > d.watchdog for d in self.in_flight.values()):
+            # a reply the Grid holds came in time: the loop was busy handling others (the
+            # clock pulls only when nothing is due), and a loaded machine made that long
+            self.pull()
         for msg_id, d in list(self.in_flight.items()):
             if not d.arrived and now > d.watchdog:
                 self.close_dispatch(msg_id)

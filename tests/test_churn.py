@@ -88,6 +88,25 @@ def test_unknown_and_duplicate_replies_are_counted_not_fatal(tmp_path):
     assert summary["versions"] >= 2 and summary["counts"]["unknown"] >= 2
 
 
+def test_a_reply_the_grid_holds_is_not_given_up_after_a_busy_spell_past_its_watchdog(tmp_path):
+    """Found under load: the clock pulls from the Grid only when no reply is due, so a reply
+    that came in time sat there while the loop handled others, and its watchdog then counted
+    it lost. Only a reply the Grid does not hold is lost."""
+    from fedrl.strategies.coordinator import Coordinator
+
+    grid = FakeGrid(3, client_app)
+    cfg = small_config(tmp_path, mode="parablock", sync=False, watchdog_s=1.0)
+    with Coordinator(grid, cfg) as coordinator:
+        coordinator.dispatch(1)
+        coordinator.dispatch(2)
+        (held, first), (dropped, second) = coordinator.in_flight.items()
+        grid.replies.pop(dropped)  # node 2's reply never comes
+        first.watchdog = second.watchdog = time.monotonic() - 1  # the loop was busy that long
+        coordinator.expire_overdue()
+        assert coordinator.counts["lost"] == 1 and dropped not in coordinator.in_flight
+        assert coordinator.in_flight[held].arrived
+
+
 def test_a_lost_reply_is_given_up_at_the_wall_clock_watchdog_on_the_virtual_clock(tmp_path):
     """Before: the virtual clock waited for it (ttl 12 h) and drain() waited as long in wall time."""
 
