@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import resource
 import threading
@@ -222,7 +223,7 @@ def handle(
             runtime.poison_update(
                 base, sent, instr.seed + instr.round, {n: adapter.initial[n] for n in names}
             ),
-            len(metrics) * instr.prompts * instr.samples,
+            sum(m["samples"] for m in metrics),
         )
     after = None
     if instr.mode == "parablock":
@@ -279,11 +280,9 @@ def train_steps(
     faults = runtime.frictions()  # a simulated volunteer's actor; nothing on a real node
     history = runtime.actor_history()
     noise = logit_noise_hook(faults.logit_noise, gen)
-    metrics: list[dict] = []
-    compute_start = time.perf_counter()
-    for _ in range(instr.steps):
-        step_start = time.perf_counter()
-        problems = task.sample(instr.prompts, rng)
+
+    def step(prompts: int) -> dict:
+        problems = task.sample(prompts, rng)
         batch = lagged_rollout(
             lm,
             part,
@@ -297,7 +296,22 @@ def train_steps(
             logit_hook=noise,
         )
         perturb_and_score(batch, lm, task, faults, rng)
-        metrics.append(lm_update(learner, lm.model, batch))
+        return {**lm_update(learner, lm.model, batch), "prompts": prompts, "samples": prompts * instr.samples}
+
+    metrics: list[dict] = []
+    prompts, retried = instr.prompts, False
+    compute_start = time.perf_counter()
+    for _ in range(instr.steps):
+        step_start = time.perf_counter()
+        try:
+            metrics.append(step(prompts))
+        except Exception as err:  # once a round, on out of memory: the step again, with half the prompts
+            if retried or prompts == 1 or not is_out_of_memory(err):
+                raise
+            prompts, retried = prompts // 2, True
+            del err  # its traceback holds the failed step's tensors
+            gc.collect()
+            metrics.append(step(prompts))
         runtime.pace(time.perf_counter() - step_start)
         if runtime.leaving() == "drop":  # the owner abandons the round: no more steps
             break
@@ -305,6 +319,17 @@ def train_steps(
             base, corrected = _correct(adapter, comm.held, base, names), True
     kept = learner.moments(trainable) if instr.keep_optimizer_state else {}
     return base, corrected, metrics, (compute_start, time.perf_counter()), kept
+
+
+OUT_OF_MEMORY = ("can't allocate memory", "out of memory")  # torch's CPU allocator; CUDA, MPS
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """An allocation that failed: Python's MemoryError, torch's OutOfMemoryError (CUDA) or its
+    CPU allocator's RuntimeError, which is what a node past its memory cap (RLIMIT_DATA) gets."""
+    return isinstance(err, MemoryError) or (
+        isinstance(err, RuntimeError) and any(words in str(err).lower() for words in OUT_OF_MEMORY)
+    )
 
 
 def _correct(adapter: AdapterModel, new_global: Tensors, base: Tensors, names: list[str]) -> Tensors:
@@ -347,5 +372,6 @@ def _report(
         staleness=staleness,
         link_bytes_per_s=(comm.bytes_up + comm.bytes_down) / timing.comm_s if timing.comm_s > 0 else 0.0,
         memory_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports KiB
+        prompts=metrics[-1]["prompts"] if metrics else 0,
         leaving=leaving,
     )

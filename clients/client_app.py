@@ -123,13 +123,18 @@ def read_probe(state_dir: str) -> HardwareProbe | None:
     return HardwareProbe.parse(data, f"{Path(state_dir) / PROBE}") if data is not None else None
 
 
-def within_caps(instr: TrainInstruction, probe: HardwareProbe | None) -> TrainInstruction:
-    """The node never takes on more than its probe chose, whatever it is asked."""
-    if probe is None:
-        return instr
-    return instr.replace(
-        steps=min(instr.steps, probe.steps_per_round), prompts=min(instr.prompts, probe.prompts)
-    )
+MEMORY = "memory"  # the prompts per step a node went down to when it ran out of memory
+
+
+def within_caps(instr: TrainInstruction, probe: HardwareProbe | None, state: RecordDict) -> TrainInstruction:
+    """The node never takes on more than its probe chose, nor more prompts than it could hold
+    when it last ran out of memory, whatever it is asked."""
+    steps, prompts = instr.steps, instr.prompts
+    if probe is not None:
+        steps, prompts = min(steps, probe.steps_per_round), min(prompts, probe.prompts)
+    if MEMORY in state.config_records:
+        prompts = min(prompts, int(state[MEMORY]["prompts"]))
+    return instr.replace(steps=steps, prompts=prompts)
 
 
 def node_runtime(node: NodeSettings):
@@ -158,11 +163,16 @@ def read_instruction(content: RecordDict, state: RecordDict) -> TrainInstruction
 
 def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport, holds_delta: bool) -> None:
     # a round that trained nothing (a sync, a flush) keeps the last measured step time and reward
-    measured = {"step_s": report.compute_s / report.steps, "reward": report.reward} if report.steps else {}
+    measured = (
+        {"step_s": report.compute_s / report.steps, "reward": report.reward, "prompts": report.prompts}
+        if report.steps
+        else {}
+    )
     update_status(
         state_dir,
         add={
             "rounds": 1 if report.steps else 0,
+            "memory_retries": 1 if 0 < report.prompts < instr.prompts else 0,
             "bytes_up": report.bytes_up,
             "bytes_down": report.bytes_down,
         },
@@ -198,7 +208,7 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
             if node.state_dir:
                 update_status(node.state_dir, phase="left", acknowledged=True, updated_at=time.time())
             return Message(RecordDict(), reply_to=msg)
-        instr = within_caps(instr, probe)
+        instr = within_caps(instr, probe, context.state)
         if node.max_threads:
             torch.set_num_threads(node.max_threads)
         state = load_state(context.state)
@@ -215,6 +225,8 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
                 update_status(node.state_dir, phase="idle", error=str(err)[:300])
             raise
         save_state(context.state, new_state)
+        if 0 < report.prompts < instr.prompts:  # it ran out of memory: no more from now on
+            context.state[MEMORY] = ConfigRecord({"prompts": report.prompts})
         if node.state_dir:
             save_to_disk(node.state_dir, instr.store_url, new_state)
             record_status(node.state_dir, instr, report, holds_delta=new_state.pending is not None)

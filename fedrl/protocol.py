@@ -184,6 +184,9 @@ class TrainReport(Schema):
     memory_mb: float  # peak resident memory of the process that served the message
     full_sync_bytes: int = 0  # what a node holding nothing would have downloaded for the same version
     sync_patches: int = 0  # patches downloaded to reach synced_version (1 from any recent version)
+    # prompts per step at the round's end: fewer than asked after a retry on out of memory
+    # (the node then takes no more until its ClientApp state is lost); 0: nothing trained
+    prompts: int = 0
     hardware: str = ""  # a volunteer's probe (HardwareProbe as JSON): what it measured and will take on
     leaving: str = ""  # a withdrawing node: "after-flush" (collect its last delta first) or "now"
 
@@ -195,8 +198,10 @@ class TrainReport(Schema):
     def _consistent(self):
         if self.upload_key and (len(self.upload_key) != 64 or set(self.upload_key) - set("0123456789abcdef")):
             raise ValueError("upload_key must be a SHA-256 hex digest")
-        if min(self.steps, self.bytes_up, self.bytes_down, self.upload_samples, self.sync_patches) < 0:
-            raise ValueError("steps, bytes, samples and sync_patches must be >= 0")
+        if min(self.steps, self.bytes_up, self.bytes_down, self.upload_samples, self.sync_patches) < 0 or (
+            self.prompts < 0
+        ):
+            raise ValueError("steps, bytes, samples, sync_patches and prompts must be >= 0")
         for name in ("compute_s", "comm_s", "overlap_s", "duration_s", "link_bytes_per_s", "memory_mb"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):

@@ -587,6 +587,8 @@ class Coordinator:
         # what the client measured of itself, as last reported
         if r.steps:
             c["step_s"] = round(r.compute_s / r.steps, 4)
+            if r.prompts < self.cfg.prompts:  # it ran out of memory (or its probe caps it)
+                c["prompts"] = r.prompts
         if r.link_bytes_per_s:
             c["link_bytes_per_s"] = round(r.link_bytes_per_s)
         c["memory_mb"] = round(r.memory_mb, 1)
@@ -609,6 +611,7 @@ class Coordinator:
             reward=r.reward,
             steps=r.steps,
             assigned_steps=d.steps,
+            prompts=r.prompts,
             staleness=r.staleness,
             synced_version=r.synced_version,
             bytes_up=r.bytes_up,

@@ -272,14 +272,17 @@ def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
     assert (home.state_dir / STATUS).exists()
 
 
-def test_a_round_that_trains_nothing_keeps_the_last_reward_and_step_time(tmp_path):
+def test_a_round_that_trains_nothing_keeps_the_last_reward_and_step_time_and_memory_retries_show(tmp_path):
     from types import SimpleNamespace
+
+    from rich.console import Console
 
     from fedrl.clients.client_app import record_status
     from fedrl.node_files import STATUS, read_json
     from fedrl.protocol import NO_UPLOAD, TrainReport
+    from fedrl.volunteer.session import StatusLine
 
-    def report(steps: int, reward: float) -> TrainReport:
+    def report(steps: int, reward: float, prompts: int = 4) -> TrainReport:
         zero = dict.fromkeys(
             ("loss", "gate_mean", "comm_s", "overlap_s", "duration_s", "link_bytes_per_s", "memory_mb"), 0.0
         )
@@ -295,13 +298,22 @@ def test_a_round_that_trains_nothing_keeps_the_last_reward_and_step_time(tmp_pat
             bytes_up=0,
             bytes_down=10,
             staleness=0,
+            prompts=prompts if steps else 0,
             **zero,
         )
 
-    record_status(str(tmp_path), SimpleNamespace(version=1), report(steps=2, reward=0.75), holds_delta=True)
-    record_status(str(tmp_path), SimpleNamespace(version=2), report(steps=0, reward=0.0), holds_delta=False)
+    asked = SimpleNamespace(version=1, prompts=4)
+    record_status(str(tmp_path), asked, report(steps=2, reward=0.75), holds_delta=True)
+    record_status(str(tmp_path), SimpleNamespace(version=2, prompts=4), report(0, 0.0), holds_delta=False)
     status = read_json(tmp_path / STATUS)
     assert (status["reward"], status["step_s"], status["rounds"], status["version"]) == (0.75, 0.5, 1, 2)
+    assert status["prompts"] == 4 and status["memory_retries"] == 0
+    assert "out of memory" not in StatusLine(Console()).text(7, status)
+    # a round that ran out of memory and went on with 2 prompts a step: counted and shown
+    record_status(str(tmp_path), SimpleNamespace(version=3, prompts=4), report(2, 0.5, 2), holds_delta=True)
+    status = read_json(tmp_path / STATUS)
+    assert status["prompts"] == 2 and status["memory_retries"] == 1
+    assert "out of memory 1x: 2 prompts a step" in StatusLine(Console()).text(7, status)
 
 
 @pytest.mark.parametrize(

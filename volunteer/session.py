@@ -395,11 +395,12 @@ class StatusLine:
             return f"node {node_id} | connected | waiting for work"
         kb = lambda n: f"{n / 1000:,.0f} kB"  # noqa: E731
         g = s.get
+        memory = f" | out of memory {g('memory_retries')}x: {g('prompts')} prompts a step"
         return (
             f"node {node_id} | {g('phase', '?')} | v{g('version', '?')} held v{g('synced_version', '?')}"
             f" staleness {g('staleness', 0)} | reward {g('reward', 0):.3f} | rounds {g('rounds', 0)}"
             f" | up {kb(g('bytes_up', 0))} down {kb(g('bytes_down', 0))}"
-            f" | {g('link_bytes_per_s', 0) / 1000:,.1f} kB/s"
+            f" | {g('link_bytes_per_s', 0) / 1000:,.1f} kB/s" + (memory if g("memory_retries") else "")
         )
 
     def show(self, node_id, status: dict) -> None:
@@ -455,6 +456,8 @@ def print_status(home: VolunteerHome, out=sys.stdout) -> int:
         "rounds",
         "bytes_up",
         "bytes_down",
+        "prompts",
+        "memory_retries",
     ):
         if key in status:
             out.write(f"  {key}: {status[key]}\n")
