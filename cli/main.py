@@ -210,6 +210,7 @@ def cmd_volunteer(args) -> int:
     import datetime
 
     from fedrl.volunteer.home import VolunteerHome, resolve_invite
+    from fedrl.volunteer.preflight import failed, preflight_table, run_preflight
     from fedrl.volunteer.probe import Limits, probe_table, run_probe
     from fedrl.volunteer.session import EXIT_BAD_INPUT, join, print_status
 
@@ -222,10 +223,13 @@ def cmd_volunteer(args) -> int:
     home = VolunteerHome.for_run(invite.run, args.home)
     if args.action == "status":
         return print_status(home)
-    if args.action == "probe":
+    if args.action in ("preflight", "probe"):
         home.remember(invite)
-        print(probe_table(run_probe(invite, str(home.ca_file), limits)))
-        return 0
+        checks = run_preflight(invite, str(home.ca_file), limits, home.data)
+        print(preflight_table(checks))
+        if args.action == "probe" and not failed(checks):
+            print(probe_table(run_probe(invite, str(home.ca_file), limits)))
+        return 1 if failed(checks) else 0
     until = 0.0
     if args.hours:
         until = time.time() + args.hours * 3600
@@ -422,8 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true", help="approve what is pending and exit")
     p.set_defaults(func=cmd_approve)
 
-    p = sub.add_parser("volunteer", help="give this machine's compute to a federation (join, probe, status)")
-    p.add_argument("action", choices=["join", "probe", "status"])
+    p = sub.add_parser(
+        "volunteer", help="give this machine's compute to a federation (join, preflight, probe, status)"
+    )
+    p.add_argument("action", choices=["join", "preflight", "probe", "status"])
     p.add_argument("invite", nargs="?", help="invite string or file (default: the one joined)")
     p.add_argument("--home", help="keep keys, state and logs under this folder (default: your user dirs)")
     p.add_argument("--max-cpu", type=int, default=0, help="CPU threads (and cores) to use; 0: all")

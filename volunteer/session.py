@@ -49,6 +49,7 @@ from fedrl.protocol import HardwareProbe
 from fedrl.signing import key_fingerprint_ssh
 from fedrl.store_client import PatchStoreClient, StoreError
 from fedrl.volunteer.home import VolunteerHome
+from fedrl.volunteer.preflight import failed, preflight_table, run_preflight
 from fedrl.volunteer.probe import Limits, probe_json, probe_matches, probe_table, run_probe
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
@@ -135,6 +136,18 @@ class Session:
                 await asyncio.sleep(1.0)
                 entry = await store.enrollment(entry["fingerprint"])
             return entry
+
+    def preflight(self) -> None:
+        """The machine and the run's services, checked before anything is enrolled or measured."""
+        checks = run_preflight(self.invite, str(self.home.ca_file), self.limits, self.home.data)
+        self.say("preflight:\n" + preflight_table(checks))
+        bad = failed(checks)
+        if bad:
+            unreachable = any(c.name in ("patch store", "SuperLink") for c in bad)
+            raise VolunteerError(
+                EXIT_UNREACHABLE if unreachable else EXIT_FAILED,
+                "preflight failed: " + "; ".join(c.detail for c in bad),
+            )
 
     def enroll(self) -> None:
         _, public = self.home.node_key()
@@ -309,6 +322,7 @@ class Session:
         write_json(self.home.session, {"pid": os.getpid(), "started": time.time(), "clean": False})
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            self.preflight()
             self.enroll()
             self.probe()
             code = self.serve(crashed_before)
