@@ -90,7 +90,7 @@ def reach_check(name: str, address: str, seconds: float | None, error: str = "")
 
 def tls_handshake(host: str, port: int, ca_file: str, timeout_s: float = CONNECT_TIMEOUT_S) -> float:
     """Seconds to connect and complete a TLS handshake that verifies the peer against the run's
-    CA and its host name (what the SuperNode's gRPC channel does first)."""
+    CA and its host name (what the SuperNode's connection to the Fleet API does first)."""
     context = ssl.create_default_context(cafile=ca_file)
     start = time.perf_counter()
     with socket.create_connection((host, port), timeout=timeout_s) as raw:
