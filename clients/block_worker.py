@@ -51,6 +51,7 @@ class Pending:
     base: Tensors  # the global values of the block it was rebased on
     new: Tensors  # the local values of the block
     samples: int
+    steps: int = 0  # the local steps behind it (0: not known, from a state saved before it was kept)
 
 
 @dataclass
@@ -224,6 +225,7 @@ def handle(
                 base, sent, instr.seed + instr.round, {n: adapter.initial[n] for n in names}
             ),
             sum(m["samples"] for m in metrics),
+            len(metrics),
         )
     after = None
     if instr.mode == "parablock":
@@ -356,6 +358,7 @@ def _report(
         upload_block=uploaded.block if uploaded else NO_UPLOAD,
         upload_base_version=uploaded.base_version if uploaded else -1,
         upload_samples=uploaded.samples if uploaded else 0,
+        upload_steps=uploaded.steps if uploaded else 0,
         synced_version=synced,
         reward=mean("reward"),
         loss=mean("loss"),

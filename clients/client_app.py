@@ -73,6 +73,7 @@ def load_state(state: RecordDict) -> ClientState:
             _tensors(arrays["pending_base"]),
             _tensors(arrays["pending_new"]),
             int(meta["pending_samples"]),
+            int(meta["pending_steps"]),
         )
     residual, moments = (_tensors(arrays[k]) if k in arrays else {} for k in ("residual", "moments"))
     return ClientState(
@@ -104,6 +105,7 @@ def save_state(state: RecordDict, s: ClientState) -> None:
             "pending_block": p.block if p else NO_UPLOAD,
             "pending_base_version": p.base_version if p else -1,
             "pending_samples": p.samples if p else 0,
+            "pending_steps": p.steps if p else 0,
         }
     )
 

@@ -38,7 +38,7 @@ def save_to_disk(state_dir: str | Path, store_url: str, s: ClientState) -> None:
     meta = {
         "store_url": store_url,
         "held_version": s.held_version,
-        "pending": None if p is None else [p.block, p.base_version, p.samples],
+        "pending": None if p is None else [p.block, p.base_version, p.samples, p.steps],
     }
     write_atomic(state_path(state_dir), save(tensors, metadata={"fedrl": json.dumps(meta)}))
 
@@ -60,8 +60,8 @@ def load_from_disk(state_dir: str | Path, store_url: str) -> ClientState | None:
         parts[part][name] = t
     pending = None
     if meta["pending"] is not None:
-        block, base_version, samples = meta["pending"]
-        pending = Pending(block, base_version, parts["pending_base"], parts["pending_new"], samples)
+        block, base_version, samples, *steps = meta["pending"]  # no steps: saved before they were kept
+        pending = Pending(block, base_version, parts["pending_base"], parts["pending_new"], samples, *steps)
     return ClientState(
         parts["local"], parts["held"], meta["held_version"], pending, parts["residual"], parts["moments"]
     )

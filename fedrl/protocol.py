@@ -184,6 +184,9 @@ class TrainReport(Schema):
     memory_mb: float  # peak resident memory of the process that served the message
     full_sync_bytes: int = 0  # what a node holding nothing would have downloaded for the same version
     sync_patches: int = 0  # patches downloaded to reach synced_version (1 from any recent version)
+    # the local steps behind the upload, however many prompts each took (0: not known: the
+    # coordinator then counts them from the samples at the run's prompts per step)
+    upload_steps: int = 0
     # prompts per step at the round's end: fewer than asked after a retry on out of memory
     # (the node then takes no more until its ClientApp state is lost); 0: nothing trained
     prompts: int = 0
@@ -199,9 +202,9 @@ class TrainReport(Schema):
         if self.upload_key and (len(self.upload_key) != 64 or set(self.upload_key) - set("0123456789abcdef")):
             raise ValueError("upload_key must be a SHA-256 hex digest")
         if min(self.steps, self.bytes_up, self.bytes_down, self.upload_samples, self.sync_patches) < 0 or (
-            self.prompts < 0
+            min(self.prompts, self.upload_steps) < 0
         ):
-            raise ValueError("steps, bytes, samples, sync_patches and prompts must be >= 0")
+            raise ValueError("steps, bytes, samples, sync_patches, prompts and upload_steps must be >= 0")
         for name in ("compute_s", "comm_s", "overlap_s", "duration_s", "link_bytes_per_s", "memory_mb"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):

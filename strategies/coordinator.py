@@ -636,6 +636,12 @@ class Coordinator:
                 raise Rejected(
                     "samples", f"{r.upload_samples} samples claimed; a round yields at most {most}"
                 )
+            if r.upload_steps * self.cfg.samples > r.upload_samples:  # a step takes a prompt at least
+                raise Rejected(
+                    "samples",
+                    f"{r.upload_steps} steps claimed on {r.upload_samples} samples "
+                    f"({self.cfg.samples} a prompt, a prompt a step at least)",
+                )
             if not ALL_BLOCKS <= r.upload_block < self.cfg.num_blocks:
                 raise Rejected("block", f"upload block {r.upload_block} does not exist")
             if (r.upload_block == ALL_BLOCKS) != (self.cfg.mode == "fedavg-lora"):
@@ -673,9 +679,12 @@ class Coordinator:
                 )
             delta = {n: new[n].float() - base[n].float() for n in names}
             weight = self.reputation.weight(client) if self.cfg.reputation else 1.0
-            # the steps behind it, from the samples it claims (capped above at max_steps); a top-k
-            # upload also carries what its residual kept from the client's earlier rounds on the block
-            steps = max(1, r.upload_samples // (self.cfg.prompts * self.cfg.samples))
+            # the steps behind it: as the node says (a node at fewer prompts a step, by its probe's
+            # cap or after running out of memory, takes as many), at most max_steps; from the
+            # samples it claims when it does not say. A top-k upload also carries what its residual
+            # kept from the client's earlier rounds on the block
+            counted = r.upload_samples // (self.cfg.prompts * self.cfg.samples)
+            steps = max(1, min(r.upload_steps, self.cfg.max_steps) if r.upload_steps else counted)
             feedback = self.cfg.upload_density < 1
             if feedback:
                 rounds = self.feedback_steps.setdefault((client, r.upload_block), self.feedback_rounds([]))

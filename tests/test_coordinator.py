@@ -236,20 +236,28 @@ def test_an_upload_that_would_decompress_far_beyond_its_block_is_refused_unopene
     assert reasons and all("would decompress to 67108864 bytes" in r for r in reasons)
 
 
-def test_a_node_claiming_more_samples_than_a_round_yields_is_rejected(tmp_path):
+@pytest.mark.parametrize(
+    "claim,reason",
+    [
+        ({"upload_samples": 10**9}, "1000000000 samples claimed; a round yields at most 64"),
+        # the clip measures an upload by its steps: more of them than its samples allow is a boast too
+        ({"upload_samples": 8, "upload_steps": 3}, "3 steps claimed on 8 samples"),
+    ],
+)
+def test_a_node_claiming_more_samples_or_steps_than_a_round_yields_is_rejected(tmp_path, claim, reason):
     """The sample count weights the mean: unbounded, one node claiming 10**9 owned it."""
 
     def script(node, msg, reply):
         if reply.has_error() or node != 1 or not report_of(reply)["upload_key"]:
             return reply
-        return with_report(msg, reply, upload_samples=10**9)
+        return with_report(msg, reply, **claim)
 
     summary = run_coordinator(
         FakeGrid(3, client_app, script), config(tmp_path, mode="block-sequential", sync=True, versions=2)
     )
     rejected = [e for e in summary["events"] if e["kind"] == "rejected" and e["node"] == 1]
     assert rejected and all(e["cause"] == "samples" for e in rejected)
-    assert "1000000000 samples claimed; a round yields at most 64" in rejected[0]["reason"]
+    assert reason in rejected[0]["reason"]
     assert summary["versions"] >= 2 and summary["counts"]["accepted"] >= 2
 
 

@@ -57,6 +57,21 @@ def test_a_node_out_of_memory_halves_its_prompts_once_and_keeps_to_them(tmp_path
     assert all(c.get("prompts") == 2 for c in summary["clients"].values()), summary["clients"]
 
 
+def test_the_coordinator_measures_an_upload_by_the_steps_behind_it_not_by_its_samples(tmp_path, monkeypatch):
+    """A node at half the prompts took as many steps on half the samples: the clip measures its
+    upload by its steps (it counted half of them when it divided its samples by the run's batch)."""
+    monkeypatch.setattr(block_worker, "lm_update", TightMemory(fits=2))
+    cfg = small_config(tmp_path, mode="block-sequential", sync=True, prompts=4, samples=SAMPLES, versions=3)
+    summary = run_coordinator(FakeGrid(3, client_app), cfg)
+    trained = {}
+    for e in summary["events"]:
+        if e["kind"] == "reply":
+            trained[e["node"]] = e["steps"]
+        elif e["kind"] == "accepted":  # block rounds upload what the reply before it trained
+            assert e["steps"] == trained[e["node"]], (e, trained)
+    assert any(e["kind"] == "accepted" and e["steps"] >= 2 for e in summary["events"])
+
+
 def test_a_second_failure_in_a_round_is_an_error_reply_and_the_run_goes_on(tmp_path, monkeypatch):
     tight = TightMemory(fits=2, also_at_fits=1)  # the first retry fails too
     monkeypatch.setattr(block_worker, "lm_update", tight)

@@ -159,7 +159,7 @@ def test_enrollments_and_decisions_survive_a_restart_of_the_store(tmp_path):
 
 def test_the_node_state_survives_on_disk_bound_to_its_store(tmp_path):
     t = lambda v: {"a": torch.full((2, 3), v), "b": torch.arange(4.0) * v}  # noqa: E731
-    pending = Pending(1, 6, {"a": torch.ones(2, 3)}, {"a": torch.zeros(2, 3)}, 64)
+    pending = Pending(1, 6, {"a": torch.ones(2, 3)}, {"a": torch.zeros(2, 3)}, 64, 3)
     moments = {"a:step": torch.tensor(3.0), "a:exp_avg": torch.full((2, 3), 0.5)}
     state = ClientState(t(1.0), t(2.0), 7, pending, residual={"a": torch.full((2, 3), 1e-4)}, moments=moments)
     save_to_disk(tmp_path, "https://store", state)
@@ -168,7 +168,8 @@ def test_the_node_state_survives_on_disk_bound_to_its_store(tmp_path):
         back.pending.block,
         back.pending.base_version,
         back.pending.samples,
-    ) == (1, 6, 64)
+        back.pending.steps,
+    ) == (1, 6, 64, 3)
     assert all(torch.equal(back.held[k], state.held[k]) for k in state.held)
     assert torch.equal(back.pending.new["a"], state.pending.new["a"])
     assert torch.equal(back.residual["a"], state.residual["a"])  # what top-k uploads still owe
