@@ -306,14 +306,17 @@ def train_steps(
     for _ in range(instr.steps):
         step_start = time.perf_counter()
         try:
-            metrics.append(step(prompts))
-        except Exception as err:  # once a round, on out of memory: the step again, with half the prompts
+            done = step(prompts)
+        except Exception as err:
             if retried or prompts == 1 or not is_out_of_memory(err):
                 raise
+            done = None
+        if done is None:  # out of memory, once a round: the step again with half the prompts, out
+            # of the handler (its traceback holds the failed step's tensors until it is left)
             prompts, retried = prompts // 2, True
-            del err  # its traceback holds the failed step's tensors
             gc.collect()
-            metrics.append(step(prompts))
+            done = step(prompts)
+        metrics.append(done)
         runtime.pace(time.perf_counter() - step_start)
         if runtime.leaving() == "drop":  # the owner abandons the round: no more steps
             break

@@ -587,8 +587,7 @@ class Coordinator:
         # what the client measured of itself, as last reported
         if r.steps:
             c["step_s"] = round(r.compute_s / r.steps, 4)
-            if r.prompts < self.cfg.prompts:  # it ran out of memory (or its probe caps it)
-                c["prompts"] = r.prompts
+            c["prompts"] = r.prompts  # fewer than the run's: its probe's cap, or it ran out of memory
         if r.link_bytes_per_s:
             c["link_bytes_per_s"] = round(r.link_bytes_per_s)
         c["memory_mb"] = round(r.memory_mb, 1)
