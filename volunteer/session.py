@@ -140,7 +140,8 @@ class Session:
     def preflight(self) -> None:
         """The machine and the run's services, checked before anything is enrolled or measured."""
         checks = run_preflight(self.invite, str(self.home.ca_file), self.limits, self.home.data)
-        self.say("preflight:\n" + preflight_table(checks))
+        # one row a line, however narrow the console; errors may hold brackets, which are not markup
+        self.console.print("preflight:\n" + preflight_table(checks), soft_wrap=True, markup=False)
         bad = failed(checks)
         if bad:
             unreachable = any(c.name in ("patch store", "SuperLink") for c in bad)
