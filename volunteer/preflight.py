@@ -30,6 +30,7 @@ MIN_PYTHON = (3, 11)  # pyproject's requires-python
 MIN_FREE_DISK_MB = 500.0  # the node's state and logs are small; the rest is room for them to grow
 MIN_AVAILABLE_MB = 1000.0  # below, the learner and its ClientApp are likely to run out of memory
 CONNECT_TIMEOUT_S = 5.0
+STORE, SUPERLINK = "patch store", "SuperLink"  # the run's services: a FAIL of theirs is "unreachable"
 
 
 @dataclass(frozen=True)
@@ -130,15 +131,15 @@ def run_preflight(invite: Invite, ca_file: str, limits: Limits, home: Path) -> l
     ]
     try:
         seconds, skew = asyncio.run(store_clock(invite.store_url, ca_file))
-        checks += [reach_check("patch store", invite.store_url, seconds), clock_check(skew)]
+        checks += [reach_check(STORE, invite.store_url, seconds), clock_check(skew)]
     except (OSError, aiohttp.ClientError, ValueError) as err:  # TimeoutError is an OSError
         error = str(err) or type(err).__name__
-        checks += [reach_check("patch store", invite.store_url, None, error), clock_check(None, "no store")]
+        checks += [reach_check(STORE, invite.store_url, None, error), clock_check(None, "no store")]
     host, _, port = invite.superlink.rpartition(":")
     try:
-        checks.append(reach_check("SuperLink", invite.superlink, tls_handshake(host, int(port), ca_file)))
+        checks.append(reach_check(SUPERLINK, invite.superlink, tls_handshake(host, int(port), ca_file)))
     except (OSError, ValueError) as err:
-        checks.append(reach_check("SuperLink", invite.superlink, None, str(err) or type(err).__name__))
+        checks.append(reach_check(SUPERLINK, invite.superlink, None, str(err) or type(err).__name__))
     return checks
 
 

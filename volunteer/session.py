@@ -49,7 +49,7 @@ from fedrl.protocol import HardwareProbe
 from fedrl.signing import key_fingerprint_ssh
 from fedrl.store_client import PatchStoreClient, StoreError
 from fedrl.volunteer.home import VolunteerHome
-from fedrl.volunteer.preflight import failed, preflight_table, run_preflight
+from fedrl.volunteer.preflight import STORE, SUPERLINK, failed, preflight_table, run_preflight
 from fedrl.volunteer.probe import Limits, probe_json, probe_matches, probe_table, run_probe
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
@@ -144,7 +144,7 @@ class Session:
         self.console.print("preflight:\n" + preflight_table(checks), soft_wrap=True, markup=False)
         bad = failed(checks)
         if bad:
-            unreachable = any(c.name in ("patch store", "SuperLink") for c in bad)
+            unreachable = any(c.name in (STORE, SUPERLINK) for c in bad)
             raise VolunteerError(
                 EXIT_UNREACHABLE if unreachable else EXIT_FAILED,
                 "preflight failed: " + "; ".join(c.detail for c in bad),
