@@ -163,6 +163,11 @@ def read_instruction(content: RecordDict, state: RecordDict) -> TrainInstruction
     return join_instruction(head, kept)
 
 
+def ran_out_of_memory(instr: TrainInstruction, report: TrainReport) -> bool:
+    """The round went on with fewer prompts than the node took on (block_worker's retry)."""
+    return 0 < report.prompts < instr.prompts
+
+
 def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport, holds_delta: bool) -> None:
     # a round that trained nothing (a sync, a flush) keeps the last measured step time and reward
     measured = (
@@ -174,7 +179,7 @@ def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport, 
         state_dir,
         add={
             "rounds": 1 if report.steps else 0,
-            "memory_retries": 1 if 0 < report.prompts < instr.prompts else 0,
+            "memory_retries": int(ran_out_of_memory(instr, report)),
             "bytes_up": report.bytes_up,
             "bytes_down": report.bytes_down,
         },
@@ -227,7 +232,7 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
                 update_status(node.state_dir, phase="idle", error=str(err)[:300])
             raise
         save_state(context.state, new_state)
-        if 0 < report.prompts < instr.prompts:  # it ran out of memory: no more from now on
+        if ran_out_of_memory(instr, report):  # no more prompts than it could hold from now on
             context.state[MEMORY] = ConfigRecord({"prompts": report.prompts})
         if node.state_dir:
             save_to_disk(node.state_dir, instr.store_url, new_state)
