@@ -21,9 +21,12 @@ def top_k_with_feedback(
 ) -> tuple[Tensors, Tensors]:
     """(values to upload, residual to keep) for block values `new` trained from `base`.
 
-    The upload equals `base` except at the largest ceil(density * entries) entries of
-    delta = new - base + residual (ties at the threshold are all sent); the new residual is
-    exactly delta minus what was sent, so upload - base + new_residual == delta."""
+    The upload is in base's dtype (the wire dtype the client holds the global values in) and
+    equals `base` except at the largest ceil(density * entries) entries of
+    delta = new - base + residual (ties at the threshold are all sent), where it is base + delta
+    rounded to that dtype. The new residual is exactly delta minus what was sent, rounding
+    included, so upload - base + new_residual == delta: a bfloat16 upload loses nothing, and its
+    values are a few ulps from the base's where float32 values would differ in every bit."""
     if density >= 1.0:
         return new, residual
     delta = {n: new[n] - base[n] + residual.get(n, torch.zeros_like(new[n])) for n in new}
@@ -32,6 +35,6 @@ def top_k_with_feedback(
     threshold = torch.topk(magnitudes, k, sorted=False).values.min()
     upload, kept = {}, dict(residual)
     for n, d in delta.items():
-        upload[n] = torch.where(d.abs() >= threshold, base[n] + d, base[n])
-        kept[n] = d - (upload[n] - base[n])  # exact in what was sent, rounding included
+        upload[n] = torch.where(d.abs() >= threshold, (base[n] + d).to(base[n].dtype), base[n])
+        kept[n] = d - (upload[n].to(d.dtype) - base[n].to(d.dtype))  # what was sent, rounding included
     return upload, kept

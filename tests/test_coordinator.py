@@ -2,10 +2,12 @@ import json
 import statistics
 
 import pytest
+import torch
 from fake_grid import FakeGrid, report_of, small_config, with_report
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 
 from fedrl.clients.client_app import app as client_app
+from fedrl.clients.client_app import load_state
 from fedrl.strategies.coordinator import run_coordinator
 
 
@@ -422,7 +424,8 @@ def test_a_resumed_run_goes_on_with_each_nodes_round_numbers(tmp_path):
 
 def test_top_k_uploads_are_sparse_patches_and_the_rest_stays_with_the_client(tmp_path):
     """upload_density 0.05: each upload changes at most 5% of its block's entries (the patch
-    the coordinator applies says exactly that), and the unsent rest is the client's residual."""
+    the coordinator applies says exactly that), in the wire dtype the client holds the global
+    values in, and the unsent rest (rounding included) is the client's residual."""
     dense = run_coordinator(FakeGrid(3, client_app), config(tmp_path / "dense"))
     grid = FakeGrid(3, client_app)
     sparse = run_coordinator(grid, config(tmp_path / "sparse", upload_density=0.05))
@@ -433,6 +436,11 @@ def test_top_k_uploads_are_sparse_patches_and_the_rest_stays_with_the_client(tmp
     assert states, "no client kept a residual"
     residual = states[0].array_records["residual"].to_torch_state_dict()
     assert any(float(t.abs().max()) > 0 for t in residual.values())
+    # bfloat16 values are a few ulps from the base's; float32 ones differ in every bit
+    wide_cfg = config(tmp_path / "fp32", upload_density=0.05, wire_dtype="float32")
+    wide = run_coordinator(FakeGrid(3, client_app), wide_cfg)
+    assert wide["counts"]["rejected"] == 0
+    assert up(sparse) < 0.7 * up(wide), (up(sparse), up(wide))
 
 
 def test_kept_optimizer_state_goes_on_across_a_nodes_rounds(tmp_path):
@@ -567,9 +575,6 @@ def test_bfloat16_on_the_wire_narrows_downloads_and_clients_hold_the_exact_cast(
     """wire_dtype bfloat16: versions travel as bf16 casts of the coordinator's float32 state
     (patches between casts are small), clients hold those casts bit for bit, and the
     coordinator merges, checkpoints and exports in float32."""
-    import torch
-
-    from fedrl.clients.client_app import load_state
     from fedrl.patch import state_hash
     from fedrl.strategies.checkpoint import load_checkpoints
 

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,18 +42,42 @@ def test_what_is_sent_plus_what_is_kept_is_the_whole_delta(case, density):
     assert all(float(kept[n].abs().max()) <= smallest_sent + 1e-6 for n in base)  # the largest went first
 
 
-def test_error_feedback_sends_everything_eventually():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_error_feedback_sends_everything_eventually(dtype):
     """A constant delta sent at 10% density: after enough rounds the sum of uploads is the sum
-    of deltas minus a residual that stays bounded (nothing is dropped)."""
+    of deltas minus a residual that stays bounded (nothing is dropped, bfloat16 rounding neither)."""
     g = torch.Generator().manual_seed(0)
-    base = {"w": torch.zeros(100)}
+    base = {"w": torch.zeros(100, dtype=dtype)}
     step = {"w": torch.rand(100, generator=g)}
     residual, sent = {}, torch.zeros(100)
     for _ in range(50):
         upload, residual = top_k_with_feedback(base, step, residual, 0.1)
-        sent += upload["w"]
+        assert upload["w"].dtype == dtype
+        sent += upload["w"].float()
     assert torch.allclose(sent + residual["w"], 50 * step["w"], rtol=1e-5)
     assert float(residual["w"].abs().max()) < 10 * float(step["w"].max())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([0.01, 0.1, 0.5]))
+def test_a_bfloat16_upload_keeps_its_rounding_in_the_residual(seed, density):
+    """Against a base held in bfloat16 (the wire dtype) the upload is bfloat16, changed only where
+    it sends, each sent value the nearest bfloat16 to base + delta; float32 upload - base +
+    residual is the whole float32 delta."""
+    g = torch.Generator().manual_seed(seed)
+    base = {"a": 0.05 * torch.randn(8, 16, generator=g), "b": torch.randn(16, generator=g)}
+    base = {n: b.bfloat16() for n, b in base.items()}
+    new = {n: b.float() + 1e-2 * torch.randn(b.shape, generator=g) for n, b in base.items()}
+    residual = {n: 1e-3 * torch.randn(b.shape, generator=g) for n, b in base.items()}
+    upload, kept = top_k_with_feedback(base, new, residual, density)
+    entries = sum(t.numel() for t in base.values())
+    assert sum(int((upload[n] != base[n]).sum()) for n in base) <= math.ceil(density * entries)
+    for n in base:
+        delta = new[n] - base[n].float() + residual[n]
+        assert upload[n].dtype == torch.bfloat16 and kept[n].dtype == torch.float32
+        assert torch.allclose(upload[n].float() - base[n].float() + kept[n], delta, atol=1e-7)
+        sent = upload[n] != base[n]
+        assert torch.equal(upload[n][sent], (base[n].float() + delta)[sent].bfloat16())
 
 
 def test_density_one_sends_the_block_as_is():
