@@ -662,8 +662,9 @@ class Coordinator:
             # the block's values the client held: a top-k upload comes in the dtype it held them
             # in (its residual keeps the rounding), a dense one in the dtype updates are merged in
             feedback = self.cfg.upload_density < 1
-            merged = {n: self.global_state[n].dtype for n in names}
-            base = {n: published[n] if feedback else published[n].to(merged[n]) for n in names}
+            base = {n: published[n] for n in names}
+            if not feedback:
+                base = {n: t.to(self.global_state[n].dtype) for n, t in base.items()}
             limits = upload_limits([base[n] for n in names])
             if meta["size"] > limits.max_patch_bytes:  # refused before the download
                 raise Rejected("size", f"upload of {meta['size']} bytes, more than the block can need")
