@@ -148,9 +148,7 @@ def _encode_upload(pending: Pending | None, full: bool = False) -> bytes | None:
         return None
     if full:
         return encode_patch(None, pending.new, None, pending.base_version)
-    # the held global values may travel in a narrower dtype than the update is made in
-    base = {n: b.to(pending.new[n].dtype) for n, b in pending.base.items()}
-    return encode_patch(base, pending.new, pending.base_version, pending.base_version)
+    return encode_patch(pending.base, pending.new, pending.base_version, pending.base_version)
 
 
 def _comm_thread(instr, state, upload, sync, runtime, ca_file) -> tuple[threading.Thread, CommResult]:

@@ -1,9 +1,10 @@
-"""Top-k uploads with error feedback: send the largest entries of a block's delta, keep the rest.
+"""Uploads with error feedback: send the largest entries of a delta in the wire dtype, keep the rest.
 
 A client adds what it did not send last time (its residual) to this round's delta, sends the
-`density` fraction of entries largest in magnitude, and keeps the remainder for the next time
-it trains that block. What it uploads is still an exact patch: the coordinator applies exactly
-the sparse delta the patch says, and nothing is lost, only delayed (Stich et al. 2018,
+`density` fraction of entries largest in magnitude (all of them at density 1), rounded to the
+dtype it holds the global values in, and keeps the remainder, rounding included, for the next
+time it trains those tensors. What it uploads is still an exact patch: the coordinator applies
+exactly the delta the patch says, and nothing is lost, only delayed (Stich et al. 2018,
 "Sparsified SGD with memory"; the same error feedback DGC and PowerSGD use).
 """
 
@@ -19,20 +20,19 @@ Tensors = dict[str, torch.Tensor]
 def top_k_with_feedback(
     base: Tensors, new: Tensors, residual: Tensors, density: float
 ) -> tuple[Tensors, Tensors]:
-    """(values to upload, residual to keep) for block values `new` trained from `base`.
+    """(values to upload, residual to keep) for values `new` trained from `base`.
 
     The upload is in base's dtype (the wire dtype the client holds the global values in) and
     equals `base` except at the largest ceil(density * entries) entries of
-    delta = new - base + residual (ties at the threshold are all sent), where it is base + delta
-    rounded to that dtype. The new residual is exactly delta minus what was sent, rounding
-    included, so upload - base + new_residual == delta: a bfloat16 upload loses nothing, and its
-    values are a few ulps from the base's where float32 values would differ in every bit."""
-    if density >= 1.0:
-        return new, residual
+    delta = new - base + residual (ties at the threshold are all sent; every entry at density 1),
+    where it is base + delta rounded to that dtype. The new residual is exactly delta minus what
+    was sent, rounding included, so upload - base + new_residual == delta: a bfloat16 upload
+    loses nothing, and its values are a few ulps from the base's where float32 values would
+    differ in every bit."""
     delta = {n: new[n] - base[n] + residual.get(n, torch.zeros_like(new[n])) for n in new}
     magnitudes = torch.cat([d.abs().reshape(-1) for d in delta.values()])
     k = max(1, math.ceil(density * magnitudes.numel()))
-    threshold = torch.topk(magnitudes, k, sorted=False).values.min()
+    threshold = torch.topk(magnitudes, k, sorted=False).values.min() if k < magnitudes.numel() else 0.0
     upload, kept = {}, dict(residual)
     for n, d in delta.items():
         upload[n] = torch.where(d.abs() >= threshold, (base[n] + d).to(base[n].dtype), base[n])

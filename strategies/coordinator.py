@@ -659,12 +659,9 @@ class Coordinator:
                 if r.upload_block == ALL_BLOCKS
                 else self.adapter.part.names(r.upload_block)
             )
-            # the block's values the client held: a top-k upload comes in the dtype it held them
-            # in (its residual keeps the rounding), a dense one in the dtype updates are merged in
-            feedback = self.cfg.upload_density < 1
+            # the values the client held, in the wire dtype every upload comes in (the client's
+            # residual keeps the rounding)
             base = {n: published[n] for n in names}
-            if not feedback:
-                base = {n: t.to(self.global_state[n].dtype) for n, t in base.items()}
             limits = upload_limits([base[n] for n in names])
             if meta["size"] > limits.max_patch_bytes:  # refused before the download
                 raise Rejected("size", f"upload of {meta['size']} bytes, more than the block can need")
@@ -688,6 +685,7 @@ class Coordinator:
             # kept from the client's earlier rounds on the block
             counted = r.upload_samples // (self.cfg.prompts * self.cfg.samples)
             steps = max(1, min(r.upload_steps, self.cfg.max_steps) if r.upload_steps else counted)
+            feedback = self.cfg.upload_density < 1  # its residual may carry whole entries, not only rounding
             if feedback:
                 rounds = self.feedback_steps.setdefault((client, r.upload_block), self.feedback_rounds([]))
                 rounds.append(steps)

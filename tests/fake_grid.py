@@ -41,11 +41,11 @@ class FakeGrid(LocalGrid):
         self.present.add(node)
 
     def held(self, node: int) -> dict:
-        """The global adapter a node holds, as float32 values (what its uploads are made against;
-        versions may travel in a narrower dtype)."""
+        """The global adapter a node holds, in the wire dtype versions travel in: what its
+        uploads are patches against, in that dtype."""
         from fedrl.clients.client_app import load_state
 
-        return {n: t.float() for n, t in load_state(self.contexts[node].state).held.items()}
+        return load_state(self.contexts[node].state).held
 
     def reply_to(self, node, msg):
         """The node's reply, through `script`; scripts see the instruction whole (head + settings),

@@ -271,11 +271,12 @@ def rescaled_upload(grid, node: int, msg, reply, factor: float):
     instr, report = msg.content["instruction"], report_of(reply)
     held = grid.held(node)
     names = [n for n in held if f".layers.{report['upload_block']}." in n]
-    base = {n: held[n].float() for n in names}
+    base = {n: held[n] for n in names}
     store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
     try:
         honest = apply_patch(base, store.get(report["upload_key"]))
-        scaled = {n: base[n] + factor * (honest[n] - base[n]) for n in names}
+        scaled = {n: b.float() + factor * (honest[n].float() - b.float()) for n, b in base.items()}
+        scaled = {n: t.to(base[n].dtype) for n, t in scaled.items()}  # in the dtype it holds
         key = store.put(
             encode_patch(base, scaled, report["upload_base_version"], report["upload_base_version"])
         )
@@ -350,17 +351,18 @@ def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path)
         if reply.has_error() or node != 1 or not report_of(reply)["upload_key"]:
             return reply
         instr, report = msg.content["instruction"], report_of(reply)
-        held = {n: t.float() for n, t in grid.held(1).items()}
+        wire = grid.held(1)  # uploads are patches against these values, in their dtype
+        held = {n: t.float() for n, t in wire.items()}
         names = adapter.part.names(report["upload_block"])
         store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
         try:
-            honest = apply_patch({n: held[n] for n in names}, store.get(report["upload_key"]))
-            size = sum(float((honest[n] - held[n]).square().sum()) for n in names) ** 0.5
+            honest = apply_patch({n: wire[n] for n in names}, store.get(report["upload_key"]))
+            size = sum(float((honest[n].float() - held[n]).square().sum()) for n in names) ** 0.5
             ref = check.reference(report["upload_base_version"], held, names)
             scale = size / sum(float(ref[n].square().sum()) for n in names) ** 0.5
-            down = {n: held[n] - scale * ref[n] for n in names}
+            down = {n: (held[n] - scale * ref[n]).to(wire[n].dtype) for n in names}
             v = report["upload_base_version"]
-            key = store.put(encode_patch({n: held[n] for n in names}, down, v, v))
+            key = store.put(encode_patch({n: wire[n] for n in names}, down, v, v))
         finally:
             store.close()
         return with_report(msg, reply, upload_key=key)
@@ -573,8 +575,8 @@ def test_a_node_that_fell_behind_skips_the_chain(tmp_path, monkeypatch):
 
 def test_bfloat16_on_the_wire_narrows_downloads_and_clients_hold_the_exact_cast(tmp_path):
     """wire_dtype bfloat16: versions travel as bf16 casts of the coordinator's float32 state
-    (patches between casts are small), clients hold those casts bit for bit, and the
-    coordinator merges, checkpoints and exports in float32."""
+    (patches between casts are small), uploads as bf16 patches against them, clients hold those
+    casts bit for bit, and the coordinator merges, checkpoints and exports in float32."""
     from fedrl.patch import state_hash
     from fedrl.strategies.checkpoint import load_checkpoints
 
@@ -584,6 +586,8 @@ def test_bfloat16_on_the_wire_narrows_downloads_and_clients_hold_the_exact_cast(
     assert narrow["versions"] >= 3 and narrow["counts"]["rejected"] == 0
     down = lambda s: s["bytes_down"] / s["rounds"]  # noqa: E731
     assert down(narrow) < 0.6 * down(wide), (down(narrow), down(wide))
+    up = lambda s: s["bytes_up"] / s["counts"]["accepted"]  # noqa: E731
+    assert up(narrow) < 0.7 * up(wide), (up(narrow), up(wide))
     masters = {v: t for v, t, _ in load_checkpoints(tmp_path / "bf16" / "run" / "checkpoints")}
     assert all(t.dtype == torch.float32 for state in masters.values() for t in state.values())
     compared = 0

@@ -21,7 +21,7 @@ def block(draw):
 
 
 @settings(max_examples=100, deadline=None)
-@given(block(), st.sampled_from([0.01, 0.1, 0.5, 0.99]))
+@given(block(), st.sampled_from([0.01, 0.1, 0.5, 0.99, 1.0]))
 def test_what_is_sent_plus_what_is_kept_is_the_whole_delta(case, density):
     base, new, residual = case
     upload, kept = top_k_with_feedback(base, new, residual, density)
@@ -59,7 +59,7 @@ def test_error_feedback_sends_everything_eventually(dtype):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(0, 2**31), st.sampled_from([0.01, 0.1, 0.5]))
+@given(st.integers(0, 2**31), st.sampled_from([0.01, 0.1, 0.5, 1.0]))
 def test_a_bfloat16_upload_keeps_its_rounding_in_the_residual(seed, density):
     """Against a base held in bfloat16 (the wire dtype) the upload is bfloat16, changed only where
     it sends, each sent value the nearest bfloat16 to base + delta; float32 upload - base +
@@ -80,6 +80,17 @@ def test_a_bfloat16_upload_keeps_its_rounding_in_the_residual(seed, density):
         assert torch.equal(upload[n][sent], (base[n].float() + delta)[sent].bfloat16())
 
 
-def test_density_one_sends_the_block_as_is():
-    base, new = {"w": torch.zeros(4)}, {"w": torch.arange(4.0)}
-    assert top_k_with_feedback(base, new, {}, 1.0) == (new, {})
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_density_one_sends_every_entry_rounded_to_the_wire_dtype(dtype):
+    """A dense upload is base + delta in the base's dtype everywhere: bit for bit the new values
+    when the base is float32, their nearest bfloat16 otherwise, with at most half an ulp kept."""
+    g = torch.Generator().manual_seed(0)
+    base = {"w": (0.05 * torch.randn(64, generator=g)).to(dtype)}
+    new = {"w": base["w"].float() + 1e-3 * torch.randn(64, generator=g)}
+    upload, kept = top_k_with_feedback(base, new, {}, 1.0)
+    assert upload["w"].dtype == dtype
+    assert torch.equal(upload["w"], new["w"].to(dtype))
+    delta = new["w"] - base["w"].float()
+    assert torch.allclose(upload["w"].float() - base["w"].float() + kept["w"], delta, atol=1e-7)
+    ulp = torch.finfo(dtype).eps * new["w"].abs()
+    assert bool((kept["w"].abs() <= ulp / 2 + 1e-9).all())
