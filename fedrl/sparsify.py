@@ -30,9 +30,12 @@ def top_k_with_feedback(
     loses nothing, and its values are a few ulps from the base's where float32 values would
     differ in every bit."""
     delta = {n: new[n] - base[n] + residual.get(n, torch.zeros_like(new[n])) for n in new}
-    magnitudes = torch.cat([d.abs().reshape(-1) for d in delta.values()])
-    k = max(1, math.ceil(density * magnitudes.numel()))
-    threshold = torch.topk(magnitudes, k, sorted=False).values.min() if k < magnitudes.numel() else 0.0
+    entries = sum(d.numel() for d in delta.values())
+    k = max(1, math.ceil(density * entries))
+    threshold = 0.0  # every entry goes (rounded) when k is all of them: no ranking to do
+    if k < entries:
+        magnitudes = torch.cat([d.abs().reshape(-1) for d in delta.values()])
+        threshold = torch.topk(magnitudes, k, sorted=False).values.min()
     upload, kept = {}, dict(residual)
     for n, d in delta.items():
         upload[n] = torch.where(d.abs() >= threshold, (base[n] + d).to(base[n].dtype), base[n])
