@@ -82,8 +82,9 @@ def test_a_bfloat16_upload_keeps_its_rounding_in_the_residual(seed, density):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_density_one_sends_every_entry_rounded_to_the_wire_dtype(dtype):
-    """A dense upload is base + delta in the base's dtype everywhere: bit for bit the new values
-    when the base is float32, their nearest bfloat16 otherwise, with at most half an ulp kept."""
+    """A dense upload is base + delta in the base's dtype everywhere, with at most half an ulp
+    kept. For these values that is the new values cast to the base's dtype, bit for bit (in
+    general base + (new - base) may differ from new by a float32 rounding, which is kept too)."""
     g = torch.Generator().manual_seed(0)
     base = {"w": (0.05 * torch.randn(64, generator=g)).to(dtype)}
     new = {"w": base["w"].float() + 1e-3 * torch.randn(64, generator=g)}
