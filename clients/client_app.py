@@ -184,6 +184,7 @@ def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport, 
             "bytes_down": report.bytes_down,
         },
         phase="left" if report.leaving == "now" else "idle",
+        error="",  # a round went through: an earlier refusal or failure is over
         version=instr.version,
         synced_version=report.synced_version,
         staleness=report.staleness,
@@ -204,12 +205,15 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
 
     @app.train("block")
     def train_block(msg: Message, context: Context) -> Message:
+        node = None
         try:
-            instr = read_instruction(msg.content, context.state)
             node = NodeSettings.from_node_config(context.node_config)
+            instr = read_instruction(msg.content, context.state)
             trust_coordinator(context.state, node.state_dir, instr)
             probe = read_probe(node.state_dir)
-        except ValueError as err:  # a refusal, with its reason, for the coordinator's log
+        except ValueError as err:  # a refusal, with its reason, for the coordinator's log and the owner's
+            if node is not None and node.state_dir:  # e.g. an instruction of another fedrl version
+                update_status(node.state_dir, error=str(err)[:300], updated_at=time.time())
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=msg)
         if instr.action == "goodbye":  # off the schedule: its owner may stop it (nobody reads the reply)
             if node.state_dir:

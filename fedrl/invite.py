@@ -20,12 +20,13 @@ from pathlib import Path
 from cryptography import x509
 from pydantic import model_validator
 
+from fedrl import __version__
 from fedrl.credentials import CredentialError, invite_principal, token_expires, token_for
 from fedrl.protocol import LearnerSettings
-from fedrl.schema import SchemaError
+from fedrl.schema import OTHER_VERSION, PROTOCOL, SchemaError
 
 PREFIX = "fedrl-invite:"
-VERSION = 1
+VERSION = 2  # 2: the invite names the federation's protocol (fedrl.schema.PROTOCOL)
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_INVITE_CHARS = 64 << 10
 
@@ -41,13 +42,17 @@ class Invite(LearnerSettings):
     store_url: str  # the patch store (https)
     ca_pem: str  # the CA certificate that signed the SuperLink's and the store's certificates
     token: str  # credential of principal invite:<run>; it expires (`fedrl invite --valid-days`)
+    # the wire protocol of the operator's fedrl: a node of another one could not read its instructions
+    protocol: int
+    fedrl_version: str  # the operator's fedrl, for a volunteer who must install the same protocol
     # + LearnerSettings: what the run trains, for the probe (instructions decide the real work)
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.version != VERSION:
+        if self.protocol != PROTOCOL:
             raise ValueError(
-                f"invite version {self.version}; this fedrl reads version {VERSION}: upgrade fedrl"
+                f"the federation speaks fedrl protocol {self.protocol} (fedrl {self.fedrl_version}), this "
+                f"fedrl protocol {PROTOCOL} ({OTHER_VERSION}): pip install 'fedrl=={self.fedrl_version}'"
             )
         if not RUN_NAME.match(self.run):
             raise ValueError(f"run name {self.run!r} must be letters, digits, '.', '_' or '-'")
@@ -100,7 +105,14 @@ def make_invite(
     except OSError as err:
         raise InviteError(f"cannot read the CA certificate {ca_file}: {err.strerror or err}") from None
     fields = dict(
-        version=VERSION, run=run, superlink=superlink, store_url=store_url, ca_pem=ca_pem, **learner
+        version=VERSION,
+        run=run,
+        superlink=superlink,
+        store_url=store_url,
+        ca_pem=ca_pem,
+        protocol=PROTOCOL,
+        fedrl_version=__version__,
+        **learner,
     )
     if not valid_days > 0:
         raise InviteError(f"valid_days must be > 0, got {valid_days}")
@@ -130,6 +142,13 @@ def load_invite(text_or_path: str) -> Invite:
         data = json.loads(base64.urlsafe_b64decode(text.removeprefix(PREFIX).encode()))
     except (binascii.Error, ValueError, UnicodeDecodeError):
         raise InviteError("the invite is damaged (not base64url JSON): copy it again, whole") from None
+    version = data.get("version") if isinstance(data, dict) else None
+    if version != VERSION:  # before its fields, which another version names otherwise
+        newer = isinstance(version, int) and version > VERSION
+        raise InviteError(
+            f"invite version {version!r}; this fedrl reads version {VERSION}: "
+            + ("upgrade fedrl" if newer else "ask the operator for a new invite (`fedrl invite`)")
+        )
     try:
         return Invite.parse(data, "invite")
     except SchemaError as err:

@@ -136,6 +136,13 @@ class InstructionHead(Schema):
     client_id: int
     settings_id: str
 
+    @classmethod
+    def layout_source(cls) -> str:
+        # the settings a head goes with travel by name: a node that would not know one of their
+        # fields refuses the head itself, by its layout, as another fedrl version
+        settings = ",".join(f"{n}:{f.annotation.__name__}" for n, f in TrainInstruction.model_fields.items())
+        return f"{super().layout_source()}+{settings}"
+
 
 ROUND_FIELDS = tuple(n for n in InstructionHead.model_fields if n != "settings_id")
 SETTINGS_UNKNOWN = "settings unknown"  # a node's error reason: send the settings again

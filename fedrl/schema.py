@@ -50,11 +50,16 @@ class Schema(BaseModel):
 
     # Packed records carry the fields by position, one list per type, behind a layout id: a
     # message sent every round then costs a third of its named form on the wire, and a peer
-    # with another field list is refused by name instead of read wrong.
+    # with another field list, or of another protocol, is refused by name instead of read wrong.
     @classmethod
     def layout(cls) -> str:
+        return f"{PROTOCOL}.{hashlib.sha256(cls.layout_source().encode()).hexdigest()[:8]}"
+
+    @classmethod
+    def layout_source(cls) -> str:
+        """What the layout id stands for: the fields by position and type."""
         fields = ",".join(f"{n}:{PACKED_GROUPS[f.annotation]}" for n, f in cls.model_fields.items())
-        return hashlib.sha256(f"{cls.__name__}({fields})".encode()).hexdigest()[:8]
+        return f"{cls.__name__}({fields})"
 
     @classmethod
     def pack(cls, fields: Mapping[str, Any]) -> dict:
@@ -75,8 +80,7 @@ class Schema(BaseModel):
         if not isinstance(record, Mapping):
             raise SchemaError(f"{what}: expected a packed record, got {type(record).__name__!r}")
         if record.get("layout") != cls.layout():
-            got = record.get("layout")
-            raise SchemaError(f"{what}: layout {got!r} is not {cls.layout()!r} (another fedrl version?)")
+            raise SchemaError(f"{what}: {layout_mismatch(record.get('layout'), cls.layout())}")
         groups = {g: record.get(g, []) for g in set(PACKED_GROUPS.values())}
         if not all(isinstance(values, list) for values in groups.values()):
             raise SchemaError(f"{what}: a packed record's groups are lists")
@@ -97,3 +101,27 @@ class Schema(BaseModel):
 
 
 PACKED_GROUPS = {int: "i", float: "f", str: "s"}  # a packed record's list of each field type
+
+# The wire protocol of packed records (the messages between coordinator and nodes), in every
+# layout id. Bump it whenever what a message or a patch means changes without its fields
+# changing, so that peers of two fedrl versions refuse each other by name instead of failing
+# later on what they read: 2, every upload in the wire dtype (1: before protocol numbers, when
+# dense and whole-adapter uploads were float32 whatever the wire dtype).
+PROTOCOL = 2
+OTHER_VERSION = "another fedrl version"  # in every layout refusal: the peer must be upgraded (or this node)
+
+
+def layout_mismatch(got, expected: str) -> str:
+    """Why a record of layout `got` is refused, naming the peer's protocol where it has one."""
+    number = got.partition(".")[0] if isinstance(got, str) else ""
+    if number.isdigit() and int(number) != PROTOCOL:
+        return (
+            f"the peer speaks fedrl protocol {int(number)}, this fedrl protocol {PROTOCOL} "
+            f"({OTHER_VERSION}: upgrade the older side)"
+        )
+    if isinstance(got, str) and "." not in got:
+        return (
+            f"layout {got!r} is from a fedrl before protocol numbers, this fedrl speaks protocol "
+            f"{PROTOCOL} ({OTHER_VERSION}: upgrade it)"
+        )
+    return f"layout {got!r} is not {expected!r} ({OTHER_VERSION}?)"

@@ -56,7 +56,7 @@ from fedrl.protocol import (
 from fedrl.rollout import greedy_eval
 from fedrl.run_events import EventLog
 from fedrl.run_metrics import RunMetrics
-from fedrl.schema import SchemaError
+from fedrl.schema import OTHER_VERSION, SchemaError
 from fedrl.signing import load_or_create_signing_key, public_key_pem
 from fedrl.store_client import BlockingStoreClient, StoreError, put_signed_patches
 from fedrl.strategies.aggregation import (
@@ -82,6 +82,9 @@ from fedrl.tasks import get_task
 log = logging.getLogger("fedrl.coordinator")
 RECENT_NORMS = 64  # the adaptive clip's memory: norms of the last updates, any block
 GOODBYE_TTL_S = 60.0  # a withdrawn node answers at once; an unanswered goodbye expires
+# a node of another fedrl version refuses every instruction: it is asked again this much later
+# on the run's clock (its owner may have upgraded it), not every round
+OTHER_VERSION_REST_S = 60.0
 
 
 @dataclass
@@ -227,6 +230,7 @@ class Coordinator:
         self.pending_nodes: set[int] = set()  # parablock clients holding an unsent delta
         self.withdrawn: set[int] = set()  # nodes that said they leave, until the Grid stops listing them
         self.unavailable: set[int] = set()  # nodes Flower said are unreachable: no dispatch until a refresh
+        self.other_version: dict[int, float] = {}  # node -> when it may be asked again (run's clock)
         self.rounds: dict[int, int] = {}  # node -> messages sent
         # node -> the version it said it holds (also after it left: it may come back with it)
         self.synced: dict[int, int] = {}
@@ -252,6 +256,10 @@ class Coordinator:
 
     def now(self) -> float:
         return self.clock.now()
+
+    def clock_stands_still(self) -> bool:
+        """A virtual clock with nothing out: only a reply moves it, so no time will pass."""
+        return self.clock.virtual and not self.in_flight
 
     def event(self, kind: str, counted: tuple[str, ...] = (), **fields) -> None:
         self.log.emit(kind, self.now(), self.version, counted, **fields)
@@ -366,8 +374,7 @@ class Coordinator:
         runs; on a virtual clock at once when nothing is out, since nothing else would move it);
         joins and departures are events, ids stay stable. A node that withdrew counts as gone
         while the Grid still lists it; once it is no longer listed it may come back as any node does."""
-        idle_virtual = self.clock.virtual and not self.in_flight
-        if self.now() - self.last_refresh < self.refresh_every_s and not idle_virtual:
+        if self.now() - self.last_refresh < self.refresh_every_s and not self.clock_stands_still():
             return
         self.last_refresh = self.now()
         self.unavailable.clear()
@@ -519,14 +526,19 @@ class Coordinator:
         if reply.has_error():
             if reply.error.code == ErrorCode.NODE_UNAVAILABLE:  # not again before the next refresh
                 self.unavailable.add(d.node)
-            if str(reply.error.reason).startswith(SETTINGS_UNKNOWN):  # e.g. a restarted ClientApp
+            reason = str(reply.error.reason)
+            if reason.startswith(SETTINGS_UNKNOWN):  # e.g. a restarted ClientApp
                 self.settings_held.pop(d.node, None)
+            other_version = OTHER_VERSION in reason  # it cannot read what this coordinator sends
+            if other_version:
+                self.other_version[d.node] = self.now() + OTHER_VERSION_REST_S
             self.event(
                 "error",
                 ("replies", "errors"),
                 node=d.node,
                 code=int(reply.error.code),
-                reason=str(reply.error.reason)[:300],
+                reason=reason[:300],
+                **({"cause": "version", "asked_again_in_s": OTHER_VERSION_REST_S} if other_version else {}),
             )
             return
         try:
@@ -842,14 +854,16 @@ class Coordinator:
         """One turn of the loop: refresh members, dispatch to idle nodes, handle one due reply."""
         self.refresh_nodes()
         self.expire_overdue()
+        still = self.clock_stands_still()  # then no rest would ever end: ask such nodes again at once
+        self.other_version = {n: t for n, t in self.other_version.items() if t > self.now() and not still}
         if self.cfg.sync:
             if not round_open:
-                for node in sorted(self.members.present):
+                for node in sorted(self.members.present - set(self.other_version)):
                     self.dispatch(node)
                 round_open = True
         else:
             busy = {d.node for d in self.in_flight.values()}
-            for node in sorted(self.members.present - busy - self.unavailable):
+            for node in sorted(self.members.present - busy - self.unavailable - set(self.other_version)):
                 self.dispatch(node)
         due = self.next_reply()
         if due is None:

@@ -1,5 +1,6 @@
 import json
 import statistics
+import time
 
 import pytest
 import torch
@@ -675,3 +676,46 @@ def test_a_node_that_lost_its_settings_says_so_and_is_sent_them_again(tmp_path):
     replies = [e for e in summary["events"] if e["kind"] == "reply" and e["node"] == 1]
     assert [e for e in replies if e["t"] >= errors[0]["t"]], "node 1 works again, sent the settings"
     assert summary["counts"]["rejected"] == 0
+
+
+def test_a_node_of_another_fedrl_version_is_named_rested_and_taken_back_once_upgraded(tmp_path, monkeypatch):
+    """A node whose fedrl speaks another protocol cannot read an instruction: its ClientApp refuses
+    it by name. The coordinator says so (cause "version"), asks that node nothing more until a rest
+    on the run's clock has passed rather than every round, and takes it back once it answers
+    (its owner upgraded it); the other nodes' work goes on meanwhile."""
+    import fedrl.strategies.coordinator as coordinator_module
+    from fedrl.protocol import MESSAGE_TYPE, InstructionHead
+    from fedrl.schema import PROTOCOL
+
+    rest_s = 3.0
+    monkeypatch.setattr(coordinator_module, "OTHER_VERSION_REST_S", rest_s)
+    asked = []  # when node 3's ClientApp got each message (never before it was sent)
+
+    def script(node, msg, reply):
+        if node != 3:
+            return reply
+        asked.append(time.monotonic())  # the run's clock here is the wall's
+        if len(asked) > 1:  # its owner upgraded it after its first refusal
+            return reply
+        head = InstructionHead.pack({k: msg.content["instruction"][k] for k in InstructionHead.model_fields})
+        head["layout"] = f"{PROTOCOL + 1}.{head['layout'].partition('.')[2]}"  # a newer coordinator's
+        newer = Message(
+            RecordDict({"instruction": ConfigRecord(head)}), dst_node_id=node, message_type=MESSAGE_TYPE
+        )
+        refusal = client_app(newer, grid.contexts[node])  # the node's real ClientApp reads it
+        return Message(refusal.error, reply_to=msg)
+
+    grid = FakeGrid(3, client_app, script)
+    summary = run_coordinator(grid, config(tmp_path, versions=5))
+    assert summary["versions"] >= 5 and summary["counts"]["rejected"] == 0
+    refused = [e for e in summary["events"] if e.get("cause") == "version"]
+    assert [e["node"] for e in refused] == [3]
+    assert (
+        f"the peer speaks fedrl protocol {PROTOCOL + 1}, this fedrl protocol {PROTOCOL}"
+        in refused[0]["reason"]
+    )
+    assert refused[0]["asked_again_in_s"] == rest_s
+    assert len(asked) >= 2 and asked[1] - asked[0] >= rest_s  # not asked again before its rest
+    assert summary["clients"]["3"]["messages"] >= 1  # then its replies counted
+    accepted = [e for e in summary["events"] if e["kind"] == "accepted" and e.get("node") == 3]
+    assert accepted and accepted[0]["t"] >= refused[0]["t"] + rest_s

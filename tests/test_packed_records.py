@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedrl.protocol import InstructionHead, TrainReport
-from fedrl.schema import SchemaError
+from fedrl.schema import OTHER_VERSION, PROTOCOL, SchemaError
 
 finite = st.floats(min_value=0, max_value=1e12, allow_nan=False)
 counts = st.integers(min_value=0, max_value=2**40)
@@ -72,7 +72,7 @@ REPORT = TrainReport.parse(
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda r: {**r, "layout": "00000000"}, "layout '00000000' is not"),
+        (lambda r: {**r, "layout": f"{PROTOCOL}.00000000"}, f"layout '{PROTOCOL}.00000000' is not"),
         (lambda r: {k: v for k, v in r.items() if k != "layout"}, "layout None is not"),
         (lambda r: {**r, "i": r["i"][:-1]}, "too few values"),
         (lambda r: {**r, "f": [*r["f"], 1.0]}, "more values than layout"),
@@ -92,3 +92,35 @@ def test_a_named_record_is_not_taken_for_a_packed_one():
         TrainReport.from_packed(REPORT.to_record())
     with pytest.raises(SchemaError, match="got 'list'"):
         TrainReport.unpack([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("peer", [PROTOCOL - 1, PROTOCOL + 1])
+def test_a_record_of_another_protocol_is_refused_naming_both(peer):
+    """Two fedrl versions whose messages mean different things refuse each other by name, even
+    where the fields are the same (the layout id carries the protocol)."""
+    packed = REPORT.to_packed()
+    fields = packed["layout"].partition(".")[2]
+    with pytest.raises(SchemaError) as refused:
+        TrainReport.from_packed({**packed, "layout": f"{peer}.{fields}"}, "report")
+    assert f"the peer speaks fedrl protocol {peer}, this fedrl protocol {PROTOCOL}" in str(refused.value)
+    assert OTHER_VERSION in str(refused.value)
+
+
+def test_a_record_from_before_protocol_numbers_is_refused_as_such():
+    """Protocol 1's layout ids were 8 hex digits (the same fields hashed, no number in front)."""
+    old = REPORT.layout().partition(".")[2]
+    with pytest.raises(SchemaError, match=f"layout '{old}' is from a fedrl before protocol numbers"):
+        TrainReport.from_packed({**REPORT.to_packed(), "layout": old}, "report")
+
+
+def test_a_field_of_the_settings_an_instruction_head_goes_with_is_in_the_heads_layout(monkeypatch):
+    """The settings travel by name, once: a node that would not know one of their fields refuses
+    the head itself, by its layout, as another fedrl version (not a missing field later)."""
+    import fedrl.protocol
+
+    class Newer(fedrl.protocol.TrainInstruction):
+        a_new_setting: int = 0
+
+    before = InstructionHead.layout()
+    monkeypatch.setattr(fedrl.protocol, "TrainInstruction", Newer)
+    assert InstructionHead.layout() != before and InstructionHead.layout().startswith(f"{PROTOCOL}.")

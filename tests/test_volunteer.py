@@ -8,24 +8,30 @@ import io
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from fake_grid import FakeGrid, small_config
+from rich.console import Console
 
 from fedrl.certs import make_ca, make_node_key
 from fedrl.clients.block_worker import ClientState, Pending
 from fedrl.clients.client_app import app as client_app
+from fedrl.clients.client_app import record_status
 from fedrl.clients.disk_state import load_from_disk, save_to_disk, state_path
 from fedrl.clients.runtime import NodeRuntime
 from fedrl.credentials import ADMIN, invite_principal, new_secret, token_for
-from fedrl.invite import PREFIX, InviteError, load_invite, make_invite
+from fedrl.invite import PREFIX, VERSION, InviteError, load_invite, make_invite
 from fedrl.link import RateLimitedLink
-from fedrl.node_files import LEAVE, write_json
+from fedrl.node_files import LEAVE, STATUS, read_json, write_json
 from fedrl.patch_store import PatchStoreServer, StoreState
+from fedrl.protocol import NO_UPLOAD, TrainReport
+from fedrl.schema import PROTOCOL
 from fedrl.store_client import PatchStoreClient, StoreError
 from fedrl.strategies.coordinator import run_coordinator
 from fedrl.strategies.scheduler import BlockScheduler
+from fedrl.volunteer.session import StatusLine, print_status
 
 LEARNER = dict(
     model="tiny",
@@ -69,7 +75,12 @@ def test_bad_invites_say_what_is_wrong(tmp_path, ca):
     cases = {
         "not a fedrl invite": "hello",
         "damaged": good.encode()[:-7] + "%%%",
-        "upgrade fedrl": encode({**data, "version": 2}),
+        "upgrade fedrl": encode({**data, "version": VERSION + 1}),
+        "ask the operator for a new invite": encode({**data, "version": VERSION - 1}),
+        "invite version None": encode([1, 2]),
+        rf"speaks fedrl protocol {PROTOCOL + 1} \(fedrl 9.9\), this fedrl protocol {PROTOCOL}.*fedrl==9.9": (
+            encode({**data, "protocol": PROTOCOL + 1, "fedrl_version": "9.9"})
+        ),
         "not a PEM certificate": encode({**data, "ca_pem": "nope"}),
         "must be host:port": encode({**data, "superlink": "nohost"}),
         "https": encode({**data, "store_url": "http://h:2"}),
@@ -273,36 +284,29 @@ def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
     assert (home.state_dir / STATUS).exists()
 
 
+def report(steps: int, reward: float, prompts: int = 4) -> TrainReport:
+    """A node's report of a round of `steps` (0: a round that trained nothing)."""
+    zero = dict.fromkeys(
+        ("loss", "gate_mean", "comm_s", "overlap_s", "duration_s", "link_bytes_per_s", "memory_mb"), 0.0
+    )
+    return TrainReport(
+        upload_key="",
+        upload_block=NO_UPLOAD,
+        upload_base_version=0,
+        upload_samples=0,
+        synced_version=1,
+        reward=reward,
+        steps=steps,
+        compute_s=0.5 * steps,
+        bytes_up=0,
+        bytes_down=10,
+        staleness=0,
+        prompts=prompts if steps else 0,
+        **zero,
+    )
+
+
 def test_a_round_that_trains_nothing_keeps_the_last_reward_and_step_time_and_memory_retries_show(tmp_path):
-    from types import SimpleNamespace
-
-    from rich.console import Console
-
-    from fedrl.clients.client_app import record_status
-    from fedrl.node_files import STATUS, read_json
-    from fedrl.protocol import NO_UPLOAD, TrainReport
-    from fedrl.volunteer.session import StatusLine
-
-    def report(steps: int, reward: float, prompts: int = 4) -> TrainReport:
-        zero = dict.fromkeys(
-            ("loss", "gate_mean", "comm_s", "overlap_s", "duration_s", "link_bytes_per_s", "memory_mb"), 0.0
-        )
-        return TrainReport(
-            upload_key="",
-            upload_block=NO_UPLOAD,
-            upload_base_version=0,
-            upload_samples=0,
-            synced_version=1,
-            reward=reward,
-            steps=steps,
-            compute_s=0.5 * steps,
-            bytes_up=0,
-            bytes_down=10,
-            staleness=0,
-            prompts=prompts if steps else 0,
-            **zero,
-        )
-
     asked = SimpleNamespace(version=1, prompts=4)
     record_status(str(tmp_path), asked, report(steps=2, reward=0.75), holds_delta=True)
     record_status(str(tmp_path), SimpleNamespace(version=2, prompts=4), report(0, 0.0), holds_delta=False)
@@ -315,6 +319,36 @@ def test_a_round_that_trains_nothing_keeps_the_last_reward_and_step_time_and_mem
     status = read_json(tmp_path / STATUS)
     assert status["prompts"] == 2 and status["memory_retries"] == 1
     assert "out of memory 1x: 2 prompts a step" in StatusLine(Console()).text(7, status)
+
+
+def test_an_instruction_of_another_fedrl_version_is_refused_and_shown_until_a_round_goes_through(tmp_path):
+    """What a volunteer on an old fedrl sees: its ClientApp refuses the newer coordinator's
+    instruction by name, and its status (the live line, `fedrl volunteer status`) says why."""
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+    from fedrl.protocol import MESSAGE_TYPE, InstructionHead
+    from fedrl.volunteer.home import VolunteerHome
+
+    home = VolunteerHome.for_run("r", tmp_path)
+    home.state_dir.mkdir(parents=True, exist_ok=True)
+    head = InstructionHead(
+        action="train", block=0, steps=1, version=0, round=1, seed=0, client_id=0, settings_id="ab" * 8
+    ).to_packed()
+    head["layout"] = f"{PROTOCOL + 1}.{head['layout'].partition('.')[2]}"
+    msg = Message(RecordDict({"instruction": ConfigRecord(head)}), dst_node_id=1, message_type=MESSAGE_TYPE)
+    node = {"state-dir": str(home.state_dir)}
+    reply = client_app(msg, Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config={}))
+    said = f"the peer speaks fedrl protocol {PROTOCOL + 1}, this fedrl protocol {PROTOCOL}"
+    assert reply.has_error() and said in reply.error.reason
+    status = read_json(home.state_dir / STATUS)
+    assert said in status["error"] and said in StatusLine(Console()).text(7, status)
+    out = io.StringIO()
+    assert print_status(home, out) == 0 and said in out.getvalue()
+    record_status(str(home.state_dir), SimpleNamespace(version=1, prompts=4), report(2, 0.5), False)
+    status = read_json(home.state_dir / STATUS)
+    assert status["error"] == "" and "refused" not in StatusLine(Console()).text(7, status)
+    out = io.StringIO()
+    assert print_status(home, out) == 0 and "error" not in out.getvalue()
 
 
 @pytest.mark.parametrize(

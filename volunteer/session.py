@@ -415,7 +415,9 @@ class StatusLine:
             f"node {node_id} | {g('phase', '?')} | v{g('version', '?')} held v{g('synced_version', '?')}"
             f" staleness {g('staleness', 0)} | reward {g('reward', 0):.3f} | rounds {g('rounds', 0)}"
             f" | up {kb(g('bytes_up', 0))} down {kb(g('bytes_down', 0))}"
-            f" | {g('link_bytes_per_s', 0) / 1000:,.1f} kB/s" + (memory if g("memory_retries") else "")
+            f" | {g('link_bytes_per_s', 0) / 1000:,.1f} kB/s"
+            + (memory if g("memory_retries") else "")
+            + (f" | last message refused or failed: {g('error')}" if g("error") else "")
         )
 
     def show(self, node_id, status: dict) -> None:
@@ -473,8 +475,9 @@ def print_status(home: VolunteerHome, out=sys.stdout) -> int:
         "bytes_down",
         "prompts",
         "memory_retries",
+        "error",
     ):
-        if key in status:
+        if status.get(key, "") != "":  # an empty error: the last message went through
             out.write(f"  {key}: {status[key]}\n")
     if "updated_at" in status:
         out.write(f"  last message: {time.time() - status['updated_at']:.0f} s ago\n")
