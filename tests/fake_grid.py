@@ -74,6 +74,11 @@ def with_report(msg: Message, reply: Message, **changes) -> Message:
     return Message(RecordDict({"report": ConfigRecord(report)}), reply_to=msg)
 
 
+def at_protocol(record: dict, protocol: int) -> dict:
+    """A packed record as a fedrl of wire protocol `protocol` would send it (the same fields)."""
+    return {**record, "layout": f"{protocol}.{record['layout'].partition('.')[2]}"}
+
+
 def small_config(tmp_path, **changes) -> RunConfig:
     """A run small enough for a unit test: 2 steps of 4x4 rollouts per message."""
     base = dict(

@@ -4,7 +4,7 @@ import time
 
 import pytest
 import torch
-from fake_grid import FakeGrid, report_of, small_config, with_report
+from fake_grid import FakeGrid, at_protocol, report_of, small_config, with_report
 from flwr.app import ConfigRecord, Error, Message, RecordDict
 
 from fedrl.clients.client_app import app as client_app
@@ -682,7 +682,7 @@ def test_a_node_of_another_fedrl_version_is_named_rested_and_taken_back_once_upg
     """A node whose fedrl speaks another protocol cannot read an instruction: its ClientApp refuses
     it by name. The coordinator says so (cause "version"), asks that node nothing more until a rest
     on the run's clock has passed rather than every round, and takes it back once it answers
-    (its owner upgraded it); the other nodes' work goes on meanwhile."""
+    (its owner upgraded it); the other nodes' work takes the run to its versions."""
     import fedrl.strategies.coordinator as coordinator_module
     from fedrl.protocol import MESSAGE_TYPE, InstructionHead
     from fedrl.schema import PROTOCOL
@@ -698,7 +698,7 @@ def test_a_node_of_another_fedrl_version_is_named_rested_and_taken_back_once_upg
         if len(asked) > 1:  # its owner upgraded it after its first refusal
             return reply
         head = InstructionHead.pack({k: msg.content["instruction"][k] for k in InstructionHead.model_fields})
-        head["layout"] = f"{PROTOCOL + 1}.{head['layout'].partition('.')[2]}"  # a newer coordinator's
+        head = at_protocol(head, PROTOCOL + 1)  # as a newer coordinator would send it
         newer = Message(
             RecordDict({"instruction": ConfigRecord(head)}), dst_node_id=node, message_type=MESSAGE_TYPE
         )

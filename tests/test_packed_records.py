@@ -5,6 +5,7 @@ record of another layout or shape with a clear SchemaError."""
 import hashlib
 
 import pytest
+from fake_grid import at_protocol
 from flwr.app import ConfigRecord
 from flwr.common.serde import config_record_from_proto, config_record_to_proto
 from hypothesis import given
@@ -98,10 +99,8 @@ def test_a_named_record_is_not_taken_for_a_packed_one():
 def test_a_record_of_another_protocol_is_refused_naming_both(peer):
     """Two fedrl versions whose messages mean different things refuse each other by name, even
     where the fields are the same (the layout id carries the protocol)."""
-    packed = REPORT.to_packed()
-    fields = packed["layout"].partition(".")[2]
     with pytest.raises(SchemaError) as refused:
-        TrainReport.from_packed({**packed, "layout": f"{peer}.{fields}"}, "report")
+        TrainReport.from_packed(at_protocol(REPORT.to_packed(), peer), "report")
     assert f"the peer speaks fedrl protocol {peer}, this fedrl protocol {PROTOCOL}" in str(refused.value)
     assert OTHER_VERSION in str(refused.value)
 

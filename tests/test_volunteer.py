@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fake_grid import FakeGrid, small_config
+from fake_grid import FakeGrid, at_protocol, small_config
 from rich.console import Console
 
 from fedrl.certs import make_ca, make_node_key
@@ -334,7 +334,7 @@ def test_an_instruction_of_another_fedrl_version_is_refused_and_shown_until_a_ro
     head = InstructionHead(
         action="train", block=0, steps=1, version=0, round=1, seed=0, client_id=0, settings_id="ab" * 8
     ).to_packed()
-    head["layout"] = f"{PROTOCOL + 1}.{head['layout'].partition('.')[2]}"
+    head = at_protocol(head, PROTOCOL + 1)  # as a newer coordinator would send it
     msg = Message(RecordDict({"instruction": ConfigRecord(head)}), dst_node_id=1, message_type=MESSAGE_TYPE)
     node = {"state-dir": str(home.state_dir)}
     reply = client_app(msg, Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config={}))
