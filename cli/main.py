@@ -34,16 +34,18 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from fedrl.tasks import get_task
+
+    task = get_task(args.task, **json.loads(args.task_params))  # a bad task fails before torch loads
+
     from fedrl.models import load_model
     from fedrl.rollout import greedy_eval
-    from fedrl.tasks import get_task
 
     lm = load_model(args.model)
     if args.adapter:
         from peft import PeftModel
 
         lm.model = PeftModel.from_pretrained(lm.model, args.adapter).eval()
-    task = get_task(args.task, **json.loads(args.task_params))
     problems = task.eval_problems()[: args.limit or None]
     start = time.perf_counter()
     evaluation = greedy_eval(lm, task, problems, batch_size=args.batch_size)

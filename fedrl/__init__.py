@@ -1,3 +1,3 @@
 """fedrl: federated and decentralized RL fine-tuning of language models."""
 
-__version__ = "0.2.0"  # with pyproject.toml; 0.2.0: wire protocol 2 (fedrl.schema.PROTOCOL)
+__version__ = "0.3.0"  # with pyproject.toml; 0.3.0: wire protocol 3 (fedrl.schema.PROTOCOL)

@@ -105,9 +105,10 @@ PACKED_GROUPS = {int: "i", float: "f", str: "s"}  # a packed record's list of ea
 # The wire protocol of packed records (the messages between coordinator and nodes), in every
 # layout id. Bump it whenever what a message or a patch means changes without its fields
 # changing, so that peers of two fedrl versions refuse each other by name instead of failing
-# later on what they read: 2, every upload in the wire dtype (1: before protocol numbers, when
-# dense and whole-adapter uploads were float32 whatever the wire dtype).
-PROTOCOL = 2
+# later on what they read: 3, patch format 8 (joint entries of small tensors); 2, every upload
+# in the wire dtype (1: before protocol numbers, when dense and whole-adapter uploads were
+# float32 whatever the wire dtype).
+PROTOCOL = 3
 OTHER_VERSION = "another fedrl version"  # in every layout refusal: the peer must be upgraded (or this node)
 
 

@@ -69,8 +69,8 @@ def with_header(patch: bytes, edit: Callable[[dict], None]) -> bytes:
 
 
 def cases() -> list[tuple[dict | None, int | None, bytes, dict, int]]:
-    """(base, base_version, patch, target, target_version): a delta (one tensor of it tiered,
-    one with Rice-coded gaps), an anchor, another delta."""
+    """(base, base_version, patch, target, target_version): a delta (two small tensors of it
+    joint, one tiered, one with Rice-coded gaps), an anchor, another delta."""
     g = torch.Generator().manual_seed(1)
     v0 = {
         "a": torch.randn(40, 30, generator=g).bfloat16(),
@@ -86,6 +86,7 @@ def cases() -> list[tuple[dict | None, int | None, bytes, dict, int]]:
     spread = torch.randperm(1 << 16, generator=g)[:1100]  # evenly spread changes: Rice-coded gaps
     v1["f"].view(torch.int16)[spread] += 1
     v1["a"].view(torch.int16).view(-1)[::13] += 1
+    v1["d"].view(torch.int16).view(-1)[4] -= 3
     v1["b"].view(torch.int16)[::3] -= 2
     v1["b"][0] = float("nan")
     v1["c"] = torch.randn(7, generator=g)  # dense

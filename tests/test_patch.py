@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import fedrl.patch
 from fedrl.patch import (
     FORMAT_VERSION,
+    JOINT_NUMEL,
     BaseMismatch,
     CorruptPatch,
     PatchError,
@@ -91,13 +92,14 @@ def test_nan_payload_bits_survive():
 
 def test_modes_chosen_per_tensor():
     g = torch.Generator().manual_seed(0)
-    base = {k: torch.randn(1000, generator=g).bfloat16() for k in ("same", "ulp", "steps", "far", "dense")}
+    numel = JOINT_NUMEL + 1000  # each alone: smaller tensors share a joint entry
+    base = {k: torch.randn(numel, generator=g).bfloat16() for k in ("same", "ulp", "steps", "far", "dense")}
     new = {k: v.clone() for k, v in base.items()}
     new["ulp"].view(torch.int16)[::50] += 1
     new["ulp"].view(torch.int16)[1::50] -= 1
     new["steps"].view(torch.int16)[::50] += 3
-    new["far"][::50] = torch.randn(20, generator=g).bfloat16()
-    new["dense"] = torch.randn(1000, generator=g).bfloat16()
+    new["far"][::50] = torch.randn(len(range(0, numel, 50)), generator=g).bfloat16()
+    new["dense"] = torch.randn(numel, generator=g).bfloat16()
     patch = encode_patch(base, new, 0, 1)
     names = sorted(base)
     modes = {names[e["at"]]: (e["mode"], e.get("values_as")) for e in read_header(patch).tensors}
@@ -108,6 +110,64 @@ def test_modes_chosen_per_tensor():
         "dense": ("dense", None),
     }
     assert bits_equal(apply_patch(base, patch), new)
+
+
+def lora_block(g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A tiny adapter's factors (bfloat16, 512-1,024 values each), a float32 head and one tensor
+    too large to join."""
+    block = {
+        f"l{i}.{m}.lora_{ab}": torch.randn(*shape, generator=g).bfloat16() * 0.02
+        for i in range(2)
+        for m in ("q", "k", "v", "o")
+        for ab, shape in (("A", (8, 64)), ("B", (64, 8)))
+    }
+    return block | {
+        "head": torch.randn(300, generator=g),
+        "big": torch.randn(JOINT_NUMEL, generator=g).bfloat16(),
+    }
+
+
+def test_small_tensors_of_a_dtype_travel_as_one_joint_entry(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    base = lora_block(g)
+    new = {k: v.clone() for k, v in base.items()}
+    for name in [n for n in base if "lora" in n][::2]:  # top-5% of half the factors, a few ulps each
+        flat = new[name].view(torch.int16).view(-1)
+        flat[torch.randperm(flat.numel(), generator=g)[:26]] += torch.randint(
+            -40, 40, (26,), generator=g
+        ).short()
+    new["head"][7] += 1.0  # one float32 tensor: no joint entry for one changed tensor
+    new["big"].view(torch.int16)[::100] += 1
+    patch = encode_patch(base, new, 0, 1)
+    entries = read_header(patch).tensors
+    names = sorted(base)
+    assert entries[0]["joint"] == "bfloat16" and [names[e["at"]] for e in entries[1:]] == ["big", "head"]
+    assert bits_equal(apply_patch(base, patch), new)
+    # in place: the changed members take the changes in their own storage, the rest stay as they are
+    snapshot = {k: v.clone() for k, v in base.items()}
+    storage = {k: v.data_ptr() for k, v in base.items()}
+    out = apply_patch(base, patch, in_place=True, verify="changes")
+    assert bits_equal(out, new) and all(out[k].data_ptr() == storage[k] for k in out)
+    # what it bought: the same changes with every tensor alone
+    monkeypatch.setattr(fedrl.patch, "JOINT_NUMEL", 0)
+    alone = encode_patch(snapshot, new, 0, 1)
+    assert all("at" in e for e in read_header(alone).tensors) and bits_equal(
+        apply_patch(snapshot, alone), new
+    )
+    header_bytes = lambda p: struct.unpack_from("<I", body_of(p))[0]  # noqa: E731
+    assert 2 * header_bytes(patch) < header_bytes(alone) and len(patch) < len(alone), (len(patch), len(alone))
+    monkeypatch.undo()
+    # a base with no small bfloat16 tensors cannot take a joint entry, even when vouched for
+    other = {k: v.half() if "lora" in k else v for k, v in snapshot.items()}
+    with pytest.raises(TensorMismatch, match="joins bfloat16 tensors"):
+        apply_patch(other, patch, base_hash=state_hash(snapshot))
+    # a joint entry that does not verify puts every member back
+    wrong = {k: v.clone() for k, v in snapshot.items()}
+    wrong["l0.k.lora_A"].view(torch.int16)[0, 0] += 1  # a value the patch leaves
+    held = {k: v.clone() for k, v in wrong.items()}
+    with pytest.raises(TargetMismatch):
+        apply_patch(wrong, patch, base_hash=state_hash(snapshot), in_place=True)
+    assert bits_equal(wrong, held)
 
 
 def test_specific_errors():
@@ -205,13 +265,30 @@ def test_a_header_field_of_the_wrong_kind_is_a_patch_error(bad, case, field):
 
 def test_a_patch_lists_each_changed_tensor_once_in_order():
     base, patch, _ = _fuzz_cases()[0]
-    for order in (lambda ts: ts[::-1], lambda ts: ts[:1] * 2):
+    joint, *alone = read_header(patch).tensors
+    assert joint["joint"] == "bfloat16" and len(alone) == 4
+    orders = {
+        "once each, in order": ([joint, *alone[::-1]], [joint, alone[0], *alone]),
+        "joint entries come first": ([*alone, joint], [joint, joint, *alone]),
+        "malformed tensor entry": ([{**joint, "at": 0}, *alone], [{**joint, "joint": "complex64"}, *alone]),
+        "listed alone and in its dtype's joint entry": ([joint, {**alone[0], "at": 0}, *alone[1:]],),
+        "never dense": ([{**joint, "mode": "dense", "sizes": joint["sizes"][:1]}, *alone],),
+    }
+    for reason, tried in orders.items():
+        for tensors in tried:
 
-        def edit(header, order=order):
-            header["tensors"] = order(header["tensors"])
+            def edit(header, tensors=tensors):
+                header["tensors"] = tensors
 
-        with pytest.raises(CorruptPatch, match="once each, in order"):
-            apply_patch(base, with_header(patch, edit))
+            with pytest.raises(CorruptPatch, match=reason):
+                apply_patch(base, with_header(patch, edit))
+    _, anchor, _ = _fuzz_cases()[1]  # an anchor has no base to join tensors of
+
+    def join(header):
+        header["tensors"][0]["joint"] = "bfloat16"
+
+    with pytest.raises(CorruptPatch, match="malformed tensor entry"):
+        apply_patch(None, with_header(anchor, join))
 
 
 def test_a_shape_whose_size_overflows_is_refused_before_any_allocation():
