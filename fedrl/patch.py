@@ -663,9 +663,7 @@ def _encode_joint(
     """The members' changes as one entry, or None where fewer than two of them changed or their
     changes cost as much as the changed tensors dense (then each goes alone, as before)."""
     for name in members:
-        b, t = base[name], new[name]
-        if b.dtype != t.dtype or b.shape != t.shape:
-            raise TensorMismatch(f"{name}: base {b.dtype}{tuple(b.shape)} vs new {t.dtype}{tuple(t.shape)}")
+        _check_alike(name, base[name], new[name])
     base_bits = np.concatenate([to_bits(base[n]) for n in members])
     new_bits = np.concatenate([to_bits(new[n]) for n in members])
     idx = changed_positions(base_bits, new_bits)
@@ -678,6 +676,11 @@ def _encode_joint(
     return (entry, parts, writes) if sum(len(data) for data in parts) < dense else None
 
 
+def _check_alike(name: str, b: torch.Tensor, t: torch.Tensor) -> None:
+    if b.dtype != t.dtype or b.shape != t.shape:
+        raise TensorMismatch(f"{name}: base {b.dtype}{tuple(b.shape)} vs new {t.dtype}{tuple(t.shape)}")
+
+
 def _encode_tensor(
     name: str, b: torch.Tensor | None, t: torch.Tensor
 ) -> tuple[dict | None, list[bytes], list[np.ndarray]]:
@@ -685,8 +688,7 @@ def _encode_tensor(
     changes hash)."""
     new_bits = to_bits(t)
     if b is not None:
-        if b.dtype != t.dtype or b.shape != t.shape:
-            raise TensorMismatch(f"{name}: base {b.dtype}{tuple(b.shape)} vs new {t.dtype}{tuple(t.shape)}")
+        _check_alike(name, b, t)
         base_bits = to_bits(b)
         idx = changed_positions(base_bits, new_bits)
         if idx.size == 0:

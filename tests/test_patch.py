@@ -157,6 +157,8 @@ def test_small_tensors_of_a_dtype_travel_as_one_joint_entry(monkeypatch):
     header_bytes = lambda p: struct.unpack_from("<I", body_of(p))[0]  # noqa: E731
     assert 2 * header_bytes(patch) < header_bytes(alone) and len(patch) < len(alone), (len(patch), len(alone))
     monkeypatch.undo()
+    with pytest.raises(TensorMismatch, match="l0.q.lora_A: base torch.bfloat16"):  # a member changed dtype
+        encode_patch(snapshot, {**new, "l0.q.lora_A": new["l0.q.lora_A"].float()}, 0, 1)
     # a base with no small bfloat16 tensors cannot take a joint entry, even when vouched for
     other = {k: v.half() if "lora" in k else v for k, v in snapshot.items()}
     with pytest.raises(TensorMismatch, match="joins bfloat16 tensors"):
