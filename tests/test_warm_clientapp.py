@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,16 @@ TESTS = str(Path(__file__).parent)
 
 def launcher_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.fixture(autouse=True)
+def own_temp_root(monkeypatch):
+    """Launchers made here, and the prunes they run, stay in a root of this test's own: tests
+    run in parallel (pytest-xdist) make and prune launchers of their own in the system's."""
+    root = tempfile.mkdtemp(prefix="fw-")  # short: a launcher's socket path must fit AF_UNIX's 108 bytes
+    monkeypatch.setattr(tempfile, "tempdir", root)
+    yield
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
