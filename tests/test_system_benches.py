@@ -1,6 +1,7 @@
 """The async and scale benchmarks' measuring pieces (the benchmarks themselves are commands)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -36,12 +37,13 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
     keep = tmp_path / "results"
     keep.mkdir()
     (keep / "precious.txt").write_text("mine")
-    runs, step_s, clips = [], [], []
+    runs, step_s, clips, shapes = [], [], [], {}
 
     def fake_simulate(cfg, sim, clients, engine):  # the folder handling is under test, not the training
         runs.append(cfg.out_dir)
         step_s.append(sim.step_s)
         clips.append(cfg.clip_multiple)
+        shapes[Path(cfg.out_dir).name] = (cfg.num_blocks, cfg.upload_density, cfg.sync)
         evals = [{"t": 0.0, "error": 0.7}, {"t": 1.0, "error": 0.2}]
         return {
             "evals": evals,
@@ -77,6 +79,9 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
     )
     assert async_rounds.main(args) == 0
     assert step_s[0] == 0.0 and set(step_s[1:]) == {0.1}  # the first run's measurement is everyone's
+    # top-k strategies take the command's density; FedBuff trains one block, parablock the run's blocks
+    assert shapes["fedbuff-topk"] == (1, 0.05, False) and shapes["parablock-async-topk"] == (3, 0.05, False)
+    assert shapes["parablock-async"] == (3, 1.0, False)
     assert async_rounds.main(argparse.Namespace(**{**vars(args), "step_s": 0.25})) == 0
     assert set(step_s[len(async_rounds.STRATEGIES) :]) == {0.25}  # a given unit of work: no measurement
     assert (keep / "precious.txt").read_text() == "mine"
