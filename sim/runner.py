@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
+from fedrl.deploy.local import free_port
 from fedrl.sim.simulated_server import SimConfig, split_config
 from fedrl.strategies.run_config import RunConfig
 
@@ -161,10 +161,3 @@ def main(args) -> int:
         if args.dashboard is not None:
             print(f"the dashboard closed with the run; `fedrl dashboard {run_out}` serves it again")
     return 0
-
-
-def free_port(host: str) -> int:
-    """A port free now, so the dashboard's address can be printed before the run starts."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

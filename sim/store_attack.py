@@ -31,8 +31,8 @@ import aiohttp
 import numpy as np
 
 from fedrl.credentials import new_secret, node_principal, sign_request, token_for
+from fedrl.deploy.local import free_port
 from fedrl.sim.memory import status_bytes
-from fedrl.sim.runner import free_port
 from fedrl.store_client import PatchStoreClient, StoreError
 
 HONEST, ATTACKER = node_principal(1), node_principal(666)

@@ -319,7 +319,7 @@ def test_an_update_far_beyond_its_peers_norms_is_refused_not_clipped_in(tmp_path
     summary = run_coordinator(grid, cfg)
     judged = [e for e in summary["events"] if e["kind"] in ("accepted", "rejected")]
     rejected = [e for e in judged if e["kind"] == "rejected"]
-    assert all(e["node"] == 1 and e["cause"] == "norm" for e in rejected), rejected
+    assert len(rejected) >= 2 and all(e["node"] == 1 and e["cause"] == "norm" for e in rejected), judged
     assert "the median" in rejected[0]["reason"] and "refused beyond 10x" in rejected[0]["reason"]
     # x100 of an honest update that is itself near zero (every sample rewarded alike) is no
     # outlier; any other x100 must be refused, and most are
@@ -328,7 +328,6 @@ def test_an_update_far_beyond_its_peers_norms_is_refused_not_clipped_in(tmp_path
         if e["node"] == 1 and e["version"] >= 1:
             peers = [p["norm"] for p in accepted if p["version"] == e["version"] and p["node"] != 1]
             assert e["norm"] <= 10 * statistics.median(peers), (e, peers)
-    assert len(rejected) >= 2, judged
     assert summary["versions"] >= 4
     ids = {e["node"]: str(e["client"]) for e in summary["events"] if e["kind"] == "joined"}
     honest = min(summary["reputation"][ids[n]] for n in (2, 3, 4))

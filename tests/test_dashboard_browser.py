@@ -3,7 +3,6 @@ while a real coordinator runs: the page must show the version rising and the fin
 
 import json
 import shutil
-import socket
 import threading
 import time
 
@@ -11,6 +10,7 @@ import pytest
 from fake_grid import FakeGrid, small_config
 
 from fedrl.clients.client_app import app as client_app
+from fedrl.deploy.local import free_port
 from fedrl.strategies.coordinator import run_coordinator
 
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -32,12 +32,6 @@ def task_identity():
     from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
