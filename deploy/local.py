@@ -28,6 +28,7 @@ from fedrl.certs import make_ca, make_node_key, make_server_cert
 from fedrl.credentials import load_or_create_secret
 from fedrl.deploy.federation import DeployError, Federation, app_config, run_config, tool
 from fedrl.invite import Invite, make_invite
+from fedrl.ports import free_port
 from fedrl.protocol import LearnerSettings
 
 INVITE_LEARNER_KEYS = tuple(LearnerSettings.model_fields)
@@ -38,13 +39,6 @@ def learner_settings(run_overrides: dict) -> dict:
     overrides (dashes or underscores; any run config key, checked, the learner ones kept)."""
     config = {k.replace("-", "_"): v for k, v in (app_config() | run_config(run_overrides)).items()}
     return {k: config[k] for k in INVITE_LEARNER_KEYS}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now (the kernel's pick among its ephemeral ports), for a server started next."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def check_port_free(host: str, port: int, what: str) -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from fedrl.certs import make_node_key
 from fedrl.deploy.federation import DeployError, Federation, run_config, tool
-from fedrl.deploy.local import free_port
 from fedrl.deploy.warm_clientapp import exec_with_launcher
+from fedrl.ports import free_port
 
 
 def node(superlink: str, certs: Path, home: Path, timeout_s: float = 300.0) -> None:

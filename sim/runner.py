@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fedrl.deploy.local import free_port
+from fedrl.ports import free_port
 from fedrl.sim.simulated_server import SimConfig, split_config
 from fedrl.strategies.run_config import RunConfig
 

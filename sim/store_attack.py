@@ -31,7 +31,7 @@ import aiohttp
 import numpy as np
 
 from fedrl.credentials import new_secret, node_principal, sign_request, token_for
-from fedrl.deploy.local import free_port
+from fedrl.ports import free_port
 from fedrl.sim.memory import status_bytes
 from fedrl.store_client import PatchStoreClient, StoreError
 

@@ -10,7 +10,7 @@ import pytest
 from fake_grid import FakeGrid, small_config
 
 from fedrl.clients.client_app import app as client_app
-from fedrl.deploy.local import free_port
+from fedrl.ports import free_port
 from fedrl.strategies.coordinator import run_coordinator
 
 sync_api = pytest.importorskip("playwright.sync_api")

@@ -32,7 +32,7 @@ import psutil
 from rich.console import Console
 
 from fedrl.deploy.federation import flwr_env, tool
-from fedrl.deploy.local import free_port, stop_groups
+from fedrl.deploy.local import stop_groups
 from fedrl.invite import Invite
 from fedrl.node_files import (
     APPROVED,
@@ -45,6 +45,7 @@ from fedrl.node_files import (
     write_atomic,
     write_json,
 )
+from fedrl.ports import free_port
 from fedrl.protocol import HardwareProbe
 from fedrl.signing import key_fingerprint_ssh
 from fedrl.store_client import PatchStoreClient, StoreError
