@@ -105,10 +105,17 @@ def cmd_certs(args) -> int:
 
 
 def supernode(supernode_args: list[str]) -> int:
+    import os
+
     from fedrl.deploy.federation import flwr_env, tool
     from fedrl.deploy.warm_clientapp import exec_with_launcher
 
-    exec_with_launcher([tool("flower-supernode"), *supernode_args], flwr_env())
+    argv = [tool("flower-supernode"), *supernode_args]
+    if {"-h", "--help", "-V", "--version"} & set(supernode_args):
+        # Flower prints and exits: a launcher would only preload torch (and hold the output open
+        # until it notices its parent is gone)
+        os.execve(argv[0], argv, flwr_env())
+    exec_with_launcher(argv, flwr_env())
     return 1  # not reached: the process is the SuperNode now
 
 
