@@ -264,15 +264,29 @@ class Coordinator:
     def event(self, kind: str, counted: tuple[str, ...] = (), **fields) -> None:
         self.log.emit(kind, self.now(), self.version, counted, **fields)
 
+    def traffic(self) -> dict[str, int]:
+        """Bytes every client moved so far: patches (counted with the reply of their round) and
+        Flower messages (instructions as they are sent, replies as they come)."""
+        keys = ("bytes_up", "bytes_down", "control_up", "control_down")
+        return {k: sum(c[k] for c in self.clients.values()) for k in keys}
+
     def evaluate(self) -> float:
         """The global adapter's greedy error on the task's held-out set (and its format errors,
-        for tasks that tell them apart), recorded in `evals` and as an event."""
+        for tasks that tell them apart), recorded in `evals` with the bytes moved by then, and
+        as an event."""
         cpu = time.process_time()
         self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
         result = greedy_eval(self.adapter.lm, self.task)
         self.eval_cpu_s += time.process_time() - cpu
         wall_s = round(time.monotonic() - self.wall_start, 1)
-        self.evals.append({"t": round(self.now(), 3), "wall_s": wall_s, "version": self.version, **result})
+        spent = self.traffic()
+        moved = {
+            "bytes_up": spent["bytes_up"] + spent["control_up"],
+            "bytes_down": spent["bytes_down"] + spent["control_down"],
+        }
+        self.evals.append(
+            {"t": round(self.now(), 3), "wall_s": wall_s, "version": self.version, **moved, **result}
+        )
         extra = {"format_error": result["format_error"]} if "format_error" in result else {}
         self.event("eval", metric="greedy_error", value=result["error"], **extra)
         return result["error"]
@@ -932,7 +946,7 @@ class Coordinator:
         self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
         adapter_dir = self.out_dir / "adapter"
         self.adapter.lm.model.save_pretrained(adapter_dir)
-        total = lambda key: sum(c[key] for c in self.clients.values())  # noqa: E731
+        spent = self.traffic()
         summary = {
             "config": self.cfg.model_dump(),
             "initial_eval": initial,
@@ -942,10 +956,10 @@ class Coordinator:
             "metric": "greedy_error",
             "rounds": sum(c["messages"] for c in self.clients.values()),
             "versions": self.version,
-            "bytes_up": total("bytes_up"),
-            "bytes_down": total("bytes_down"),
-            "control_bytes_up": total("control_up"),
-            "control_bytes_down": total("control_down"),
+            "bytes_up": spent["bytes_up"],
+            "bytes_down": spent["bytes_down"],
+            "control_bytes_up": spent["control_up"],
+            "control_bytes_down": spent["control_down"],
             "clock": "virtual" if self.clock.virtual else "real",
             "started_at": self.started_at,
             "time_s": round(self.now(), 2),

@@ -32,6 +32,15 @@ def test_modes_reach_their_versions(tmp_path, mode, sync):
     assert summary["versions"] >= 3
     assert summary["counts"]["rejected"] == 0 and summary["counts"]["errors"] == 0
     assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0
+    # each eval records the bytes moved by then (patches and Flower messages): none before the
+    # first round, all of them at the final one
+    moved = [(e["bytes_up"], e["bytes_down"]) for e in summary["evals"]]
+    up, down = zip(*moved)
+    assert moved[0] == (0, 0) and list(up) == sorted(up) and list(down) == sorted(down)
+    assert moved[-1] == (
+        summary["bytes_up"] + summary["control_bytes_up"],
+        summary["bytes_down"] + summary["control_bytes_down"],
+    )
     assert (tmp_path / "run" / "adapter" / "adapter_config.json").exists()
     overlap = sum(c["overlap_s"] for c in summary["clients"].values())
     if mode == "parablock":

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fedrl.sim.bench.async_rounds import time_to_target
+from fedrl.sim.bench.async_rounds import bytes_to_target, ratio_to_reference, time_to_target
 from fedrl.sim.bench.scale import run_case
 
 
@@ -18,6 +18,23 @@ def test_time_to_target_is_the_first_eval_at_or_below_it():
     ]
     assert time_to_target(evals, 0.3) == 9.0
     assert time_to_target(evals, 0.1) is None
+
+
+def test_bytes_to_target_are_those_moved_by_the_first_eval_at_or_below_it():
+    evals = [
+        {"t": 0.0, "error": 0.7, "bytes_up": 0, "bytes_down": 0},
+        {"t": 5.0, "error": 0.3, "bytes_up": 40, "bytes_down": 100},
+        {"t": 9.0, "error": 0.1, "bytes_up": 90, "bytes_down": 200},
+    ]
+    assert bytes_to_target(evals, 0.3) == 140
+    assert bytes_to_target(evals, 0.05) is None
+
+
+def test_a_reference_that_never_reached_the_target_gives_a_lower_bound():
+    assert ratio_to_reference(150.0, 260.0, 50.0) == {"ratio": 3.0, "lower_bound": False}
+    # the reference ran out its budget (260 s) without getting there: at least 5.2x
+    assert ratio_to_reference(None, 260.0, 50.0) == {"ratio": 5.2, "lower_bound": True}
+    assert ratio_to_reference(150.0, 260.0, None) == {"ratio": None, "lower_bound": False}
 
 
 def test_scale_case_separates_coordinator_cost_from_clients():
@@ -37,14 +54,18 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
     keep = tmp_path / "results"
     keep.mkdir()
     (keep / "precious.txt").write_text("mine")
-    runs, step_s, clips, shapes = [], [], [], {}
+    runs, step_s, clips, shapes, targets = [], [], [], {}, []
 
     def fake_simulate(cfg, sim, clients, engine):  # the folder handling is under test, not the training
         runs.append(cfg.out_dir)
         step_s.append(sim.step_s)
         clips.append(cfg.clip_multiple)
         shapes[Path(cfg.out_dir).name] = (cfg.num_blocks, cfg.upload_density, cfg.sync)
-        evals = [{"t": 0.0, "error": 0.7}, {"t": 1.0, "error": 0.2}]
+        targets.append(cfg.target_error)
+        evals = [
+            {"t": 0.0, "error": 0.7, "bytes_up": 0, "bytes_down": 0},
+            {"t": 1.0, "error": 0.2, "bytes_up": 1, "bytes_down": 1},
+        ]
         return {
             "evals": evals,
             "final_eval": 0.2,
@@ -76,8 +97,10 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
         strategies=list(async_rounds.STRATEGIES),
         step_s=0.0,
         set=None,
+        run_to_budget=False,
     )
     assert async_rounds.main(args) == 0
+    assert set(targets) == {0.3}  # each run stops at the target
     assert step_s[0] == 0.0 and set(step_s[1:]) == {0.1}  # the first run's measurement is everyone's
     # top-k strategies take the command's density; FedBuff trains one block, parablock the run's blocks
     assert shapes["fedbuff-topk"] == (1, 0.05, False) and shapes["parablock-async-topk"] == (3, 0.05, False)
@@ -91,6 +114,11 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
     assert async_rounds.main(argparse.Namespace(**{**vars(args), "set": ["clip-multiple=3"]})) == 0
     assert set(clips[len(runs) - len(async_rounds.STRATEGIES) :]) == {3.0}  # every strategy's rule
     assert json.loads((keep / "bench-async.json").read_text())["overrides"] == {"clip_multiple": 3}
+    targets.clear()
+    assert async_rounds.main(argparse.Namespace(**{**vars(args), "run_to_budget": True})) == 0
+    assert set(targets) == {0.0}  # no run stops at the target; each is read where its curve reaches it
+    written = json.loads((keep / "bench-async.json").read_text())
+    assert written["run_to_budget"] and all(r["bytes_to_target"] == 1.0 for r in written["strategies"])
 
 
 def test_two_benchmark_invocations_within_one_second_get_folders_of_their_own(tmp_path, monkeypatch):
