@@ -27,9 +27,10 @@ def launcher_env() -> dict[str, str]:
 
 
 @pytest.fixture(autouse=True)
-def own_temp_root(monkeypatch):
+def own_temp_root(monkeypatch, tmp_path_factory):
     """Launchers made here, and the prunes they run, stay in a root of this test's own: tests
     run in parallel (pytest-xdist) make and prune launchers of their own in the system's."""
+    tmp_path_factory.getbasetemp()  # pytest's own root first, in the system's (this one goes)
     root = tempfile.mkdtemp(prefix="fw-")  # short: a launcher's socket path must fit AF_UNIX's 108 bytes
     monkeypatch.setattr(tempfile, "tempdir", root)
     yield
