@@ -265,8 +265,9 @@ class Coordinator:
         self.log.emit(kind, self.now(), self.version, counted, **fields)
 
     def traffic(self) -> dict[str, int]:
-        """Bytes every client moved so far: patches (counted with the reply of their round) and
-        Flower messages (instructions as they are sent, replies as they come)."""
+        """Bytes every client moved since this coordinator started (a resumed run counts from
+        its restart): patches (counted with the reply of their round) and Flower messages
+        (instructions as they are sent, replies as they come)."""
         keys = ("bytes_up", "bytes_down", "control_up", "control_down")
         return {k: sum(c[k] for c in self.clients.values()) for k in keys}
 
