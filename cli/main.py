@@ -34,8 +34,10 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from fedrl.protocol import check_json
     from fedrl.tasks import get_task
 
+    check_json(args.task_params, "--task-params")
     task = get_task(args.task, **json.loads(args.task_params))  # a bad task fails before torch loads
 
     from fedrl.models import load_model

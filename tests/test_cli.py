@@ -37,6 +37,13 @@ def test_bad_task_is_a_clear_error_before_the_model_loads():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "2 []" and "unknown task 'chess'" in out.stderr, out.stdout + out.stderr
+    out = subprocess.run(
+        [sys.executable, "-c", code.replace("'chess'", "'reversal', '--task-params', '{bad'")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "2 []" and "--task-params must be JSON, got '{bad'" in out.stderr, out.stderr
 
 
 def test_sim_lists_scenarios_and_refuses_unknown_ones_clearly():
