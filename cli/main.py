@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -107,8 +108,6 @@ def cmd_certs(args) -> int:
 
 
 def supernode(supernode_args: list[str]) -> int:
-    import os
-
     from fedrl.deploy.federation import flwr_env, tool
     from fedrl.deploy.warm_clientapp import exec_with_launcher
 
