@@ -287,7 +287,6 @@ def cmd_bench(args) -> int:
     parser.add_argument(
         "--out", default=f"runs/bench-{args.bench}.json", help="JSON output path (PNG beside it)"
     )
-    parser.add_argument("--workers", type=int, default=2, help="processes running cases side by side")
     module.add_arguments(parser)
     bench_args = parser.parse_args(args.bench_args)
     if Path(bench_args.out).is_dir():  # a folder: the JSON goes inside it

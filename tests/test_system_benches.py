@@ -239,9 +239,14 @@ def test_bench_methods_runs_the_real_federation_per_method(tmp_path):
     # leaves a 3-virtual-second budget without a reply
     args = ["--quick", "--methods", "dg", "ppo", "--clients", "4", "--budget-s", "3", "--target", "0.01"]
     args += ["--step-s", "0.05"]
-    done = run_fedrl("bench", "methods", *args, "--out", str(out), timeout=600)
+    done = run_fedrl("bench", "methods", *args, "--out", str(out), timeout=600)  # two workers
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(out.read_text())
+    # side by side, virtual-clock runs give what they give one at a time
+    alone = tmp_path / "alone" / "methods.json"
+    done = run_fedrl("bench", "methods", *args, "--workers", "1", "--out", str(alone), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["curve"] for r in json.loads(alone.read_text())["runs"]] == [r["curve"] for r in data["runs"]]
     assert [r["method"] for r in data["runs"]] == ["dg", "ppo"]
     for run in data["runs"]:
         assert run["samples"] > 0 and run["curve"][0][1] == 0 and 0 <= run["best_eval"] <= 1
@@ -255,3 +260,13 @@ def test_bench_methods_runs_the_real_federation_per_method(tmp_path):
         )
         assert summary["config"]["method"] == run["method"] and summary["config"]["model"] == "tiny-gpt-base"
     assert set(data["summary"]) == {"dg", "ppo"} and out.with_suffix(".png").exists()
+
+
+@pytest.mark.parametrize("bench", ["async", "chaos", "pulse"])
+def test_benchmarks_that_run_one_case_at_a_time_refuse_workers(bench, capsys):
+    """`--workers` belongs to the benchmarks that run cases side by side (dg, methods)."""
+    from fedrl.cli.main import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", bench, "--workers", "2"])
+    assert refused.value.code == 2 and "unrecognized arguments: --workers 2" in capsys.readouterr().err

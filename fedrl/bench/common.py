@@ -16,6 +16,11 @@ def _init_worker() -> None:
     torch.set_num_threads(1)  # one thread per case; cases run side by side
 
 
+def add_workers_argument(parser) -> None:
+    """For benchmarks whose cases are independent runs (`run_cases`)."""
+    parser.add_argument("--workers", type=int, default=2, help="processes running cases side by side")
+
+
 def run_cases(fn: Callable[[dict], dict], cases: Iterable[dict], workers: int, desc: str) -> list[dict]:
     cases = list(cases)
     if workers <= 1:

@@ -16,7 +16,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from fedrl.bench.common import run_cases, write_json
+from fedrl.bench.common import add_workers_argument, run_cases, write_json
 from fedrl.frictions import Actor, Frictions, StalenessBuffer
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.losses import LOSSES, PGBatch
@@ -234,6 +234,7 @@ def add_arguments(parser) -> None:
         default="tiny-gpt",
         help="reversal model from scratch (default tiny-gpt: learned positions, as the papers' model)",
     )
+    add_workers_argument(parser)
 
 
 def main(args) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedrl.bench.common import write_json
+from fedrl.bench.common import add_workers_argument, run_cases, write_json
 from fedrl.sim.bench.async_rounds import (
     add_set_argument,
     add_step_s_argument,
@@ -134,6 +134,7 @@ def add_arguments(parser) -> None:
         "are added and runs do not stop at the target) instead of the friction setup",
     )
     add_set_argument(parser)
+    add_workers_argument(parser)
 
 
 def friction_setup(args) -> tuple:
@@ -178,40 +179,56 @@ def scenario_setup(args) -> tuple:
     return base, clients, lambda seed: sim, setting, budget or f"{base.versions} versions"
 
 
+def run_case(case: dict) -> dict:
+    """One method and seed: the federation simulated, its report written, its result row."""
+    cfg, target = case["cfg"], case["target"]
+    if not case["quiet"]:
+        print(f"[{cfg.method} seed {cfg.seed}]", flush=True)
+    s = simulate(cfg, case["sim"], case["clients"], quiet=case["quiet"], engine=case["engine"])
+    write_report(s, Path(cfg.out_dir))
+    curve = samples_curve(s)
+    return {
+        "method": cfg.method,
+        "seed": cfg.seed,
+        "time_to_target_s": time_to_target(s["evals"], target),
+        "samples_to_target": samples_to_target(curve, target),
+        "initial_eval": s["initial_eval"],
+        "final_eval": s["final_eval"],
+        "final_set_eval": s.get("final_set_eval"),
+        "best_eval": min(e for *_, e in curve),
+        "samples": curve[-1][1] if curve else 0,
+        "virtual_s": s["time_s"],
+        "wall_s": s.get("wall_s"),
+        "counts": s["counts"],
+        "curve": curve,
+        "step_s": s["simulation"]["step_s"],
+    }
+
+
 def main(args) -> int:
     seeds = args.seeds or (1 if args.quick else 3)
     base, clients, sim_for, setting, budget = (scenario_setup if args.scenario else friction_setup)(args)
     runs = runs_dir(args.out)
-    start, step_s, results = time.perf_counter(), args.step_s, []
-    for seed in range(seeds):
-        for method in args.methods:
-            cfg = base.replace(
-                method=method, seed=seed, out_dir=str(runs / f"{method}-seed{seed}"), resume=False
-            )
-            print(f"[{method} seed {seed}] {clients} clients, {budget}", flush=True)
-            sim = sim_for(seed)
-            sim = sim.replace(step_s=step_s or sim.step_s)
-            s = simulate(cfg, sim, clients, engine=args.engine)
-            write_report(s, Path(cfg.out_dir))
-            step_s = s["simulation"]["step_s"]  # the first run's calibration is every run's unit of work
-            curve = samples_curve(s)
-            results.append(
-                {
-                    "method": method,
-                    "seed": seed,
-                    "time_to_target_s": time_to_target(s["evals"], args.target),
-                    "samples_to_target": samples_to_target(curve, args.target),
-                    "initial_eval": s["initial_eval"],
-                    "final_eval": s["final_eval"],
-                    "final_set_eval": s.get("final_set_eval"),
-                    "best_eval": min(e for *_, e in curve),
-                    "samples": curve[-1][1] if curve else 0,
-                    "virtual_s": s["time_s"],
-                    "wall_s": s.get("wall_s"),
-                    "counts": s["counts"],
-                    "curve": curve,
-                }
-            )
+    start, step_s = time.perf_counter(), args.step_s
+    methods = ", ".join(args.methods)
+    print(f"{len(args.methods) * seeds} runs ({methods} x {seeds} seeds): {clients} clients, {budget}")
+
+    def case(seed: int, method: str, step_s: float | None) -> dict:
+        cfg = base.replace(method=method, seed=seed, out_dir=str(runs / f"{method}-seed{seed}"), resume=False)
+        sim = sim_for(seed)
+        sim = sim.replace(step_s=step_s or sim.step_s)
+        return {"cfg": cfg, "sim": sim, "clients": clients, "engine": args.engine, "target": args.target}
+
+    order = [(seed, method) for seed in range(seeds) for method in args.methods]
+    results = []
+    if step_s is None:  # the first run's calibration is every run's unit of work
+        results.append(run_case({**case(*order[0], None), "quiet": False}))
+        step_s, order = results[0]["step_s"], order[1:]
+    # virtual-clock runs with one unit of work do not depend on the load: side by side, they
+    # give what they give one at a time (real-clock runs would share the cores; Ray is one per machine)
+    workers = args.workers if sim_for(0).clock == "virtual" and args.engine == "local" else 1
+    cases = [{**case(seed, method, step_s), "quiet": workers > 1} for seed, method in order]
+    results += run_cases(run_case, cases, workers, "bench methods")
     summary = {m: method_summary([r for r in results if r["method"] == m]) for m in args.methods}
     out = write_json(
         {
