@@ -56,7 +56,7 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
     (keep / "precious.txt").write_text("mine")
     runs, step_s, clips, shapes, targets = [], [], [], {}, []
 
-    def fake_simulate(cfg, sim, clients, engine):  # the folder handling is under test, not the training
+    def fake_simulate(cfg, sim, clients, quiet, engine):  # the folders are under test, not the training
         runs.append(cfg.out_dir)
         step_s.append(sim.step_s)
         clips.append(cfg.clip_multiple)
@@ -98,6 +98,7 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
         step_s=0.0,
         set=None,
         run_to_budget=False,
+        workers=1,  # in this process, where simulate is the fake
     )
     assert async_rounds.main(args) == 0
     assert set(targets) == {0.3}  # each run stops at the target
@@ -262,9 +263,9 @@ def test_bench_methods_runs_the_real_federation_per_method(tmp_path):
     assert set(data["summary"]) == {"dg", "ppo"} and out.with_suffix(".png").exists()
 
 
-@pytest.mark.parametrize("bench", ["async", "chaos", "pulse"])
+@pytest.mark.parametrize("bench", ["chaos", "overlap", "pulse", "scale"])
 def test_benchmarks_that_run_one_case_at_a_time_refuse_workers(bench, capsys):
-    """`--workers` belongs to the benchmarks that run cases side by side (dg, methods)."""
+    """`--workers` belongs to the benchmarks that run cases side by side (dg, methods, async)."""
     from fedrl.cli.main import main
 
     with pytest.raises(SystemExit) as refused:

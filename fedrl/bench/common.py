@@ -27,7 +27,10 @@ def run_cases(fn: Callable[[dict], dict], cases: Iterable[dict], workers: int, d
         _init_worker()
         return [fn(c) for c in tqdm(cases, desc=desc)]
     with mp.get_context("spawn").Pool(workers, initializer=_init_worker) as pool:
-        return list(tqdm(pool.imap(fn, cases), total=len(cases), desc=desc))
+        results = list(tqdm(pool.imap(fn, cases), total=len(cases), desc=desc))
+        pool.close()  # the workers exit on their own, their finalizers run (`with` would kill them)
+        pool.join()
+    return results
 
 
 def write_json(data: dict, out: str | Path) -> Path:

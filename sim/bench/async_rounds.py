@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from fedrl.bench.common import write_json
+from fedrl.bench.common import add_workers_argument, run_cases, write_json
 from fedrl.protocol import WIRE_DTYPES
 from fedrl.sim.report import write_report
 from fedrl.sim.runner import parse_overrides, simulate
@@ -64,6 +64,7 @@ def add_arguments(parser) -> None:
     add_set_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=["local", "ray"], default="local")
+    add_workers_argument(parser)
     parser.add_argument(
         "--run-to-budget",
         action="store_true",
@@ -147,6 +148,51 @@ def runs_dir(out: str | Path) -> Path:
             continue
 
 
+def run_with_one_unit(run, case_for, keys: list, step_s: float | None, workers: int, desc: str):
+    """`run(case_for(key, step_s))` for each key, in order: without a unit of work, the first run
+    alone measures it and every later run takes it; then `workers` processes side by side, as
+    virtual-clock runs with one unit give the same curves either way. `run` returns a dict with
+    the "step_s" it used. Returns the results and the unit."""
+    results = []
+    if not step_s:
+        results.append(run({**case_for(keys[0], None), "quiet": False}))
+        step_s, keys = results[0]["step_s"], keys[1:]
+    cases = [{**case_for(key, step_s), "quiet": workers > 1} for key in keys]
+    return results + run_cases(run, cases, workers, desc), step_s
+
+
+def side_by_side(workers: int, clock: str, engine: str) -> int:
+    """Runs on the real clock share the cores, and Ray is one per machine: those go one at a time."""
+    return workers if clock == "virtual" and engine == "local" else 1
+
+
+def run_case(case: dict) -> dict:
+    """One strategy: the federation simulated, its report written, its result row."""
+    cfg, clients, target = case["cfg"], case["clients"], case["target"]
+    if not case["quiet"]:
+        print(f"[{case['name']}] {clients} clients, {cfg.max_time_s:g} virtual s", flush=True)
+    s = simulate(cfg, case["sim"], clients, quiet=case["quiet"], engine=case["engine"])
+    write_report(s, Path(cfg.out_dir))
+    return {
+        "name": case["name"],
+        "time_to_target_s": time_to_target(s["evals"], target),
+        "bytes_to_target": per_client(bytes_to_target(s["evals"], target), clients),
+        "final_eval": s["final_eval"],
+        "initial_eval": s["initial_eval"],
+        # per client: patches to and from the store plus Flower's messages (instructions
+        # down, replies up), which carry a few hundred bytes each way every round
+        "bytes_up": (s["bytes_up"] + s["control_bytes_up"]) / clients,
+        "bytes_down": (s["bytes_down"] + s["control_bytes_down"]) / clients,
+        "control_up": s["control_bytes_up"] / clients,
+        "control_down": s["control_bytes_down"] / clients,
+        "versions": s["versions"],
+        "virtual_s": s["time_s"],
+        "counts": s["counts"],
+        "curve": [(e["t"], e["error"]) for e in s["evals"]],
+        "step_s": s["simulation"]["step_s"],
+    }
+
+
 def main(args) -> int:
     clients = args.clients or (6 if args.quick else 12)
     budget = args.budget_s or (12.0 if args.quick else 300.0)
@@ -165,39 +211,25 @@ def main(args) -> int:
         wire_dtype=args.wire_dtype,
     ).replace(**overrides)
     start = time.perf_counter()
-    results, step_s = [], args.step_s
     runs = runs_dir(args.out)
     names = ["fedavg-lora"] + [n for n in args.strategies if n != "fedavg-lora"]  # the reference runs first
-    for name in names:
+
+    def case_for(name: str, step_s: float | None) -> dict:
         settings = STRATEGIES[name] | (
             {"upload_density": args.upload_density} if name.endswith("topk") else {}
         )
         cfg = base.replace(**settings, out_dir=str(runs / name), resume=False)
-        print(f"[{name}] {clients} clients, {budget:g} virtual s")
-        s = simulate(cfg, sim.replace(step_s=step_s), clients, engine=args.engine)
-        write_report(s, runs / name)
-        step_s = s["simulation"][
-            "step_s"
-        ]  # the first strategy's calibration is every strategy's unit of work
-        results.append(
-            {
-                "name": name,
-                "time_to_target_s": time_to_target(s["evals"], args.target),
-                "bytes_to_target": per_client(bytes_to_target(s["evals"], args.target), clients),
-                "final_eval": s["final_eval"],
-                "initial_eval": s["initial_eval"],
-                # per client: patches to and from the store plus Flower's messages (instructions
-                # down, replies up), which carry a few hundred bytes each way every round
-                "bytes_up": (s["bytes_up"] + s["control_bytes_up"]) / clients,
-                "bytes_down": (s["bytes_down"] + s["control_bytes_down"]) / clients,
-                "control_up": s["control_bytes_up"] / clients,
-                "control_down": s["control_bytes_down"] / clients,
-                "versions": s["versions"],
-                "virtual_s": s["time_s"],
-                "counts": s["counts"],
-                "curve": [(e["t"], e["error"]) for e in s["evals"]],
-            }
-        )
+        return {
+            "name": name,
+            "cfg": cfg,
+            "sim": sim.replace(step_s=step_s or sim.step_s),
+            "clients": clients,
+            "engine": args.engine,
+            "target": args.target,
+        }
+
+    workers = side_by_side(args.workers, sim.clock, args.engine)
+    results, step_s = run_with_one_unit(run_case, case_for, names, args.step_s, workers, "bench async")
     by_name = {r["name"]: r for r in results}
     ref = by_name["fedavg-lora"]
     ref_total = ref["bytes_up"] + ref["bytes_down"]

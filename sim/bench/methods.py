@@ -18,12 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from fedrl.bench.common import add_workers_argument, run_cases, write_json
+from fedrl.bench.common import add_workers_argument, write_json
 from fedrl.sim.bench.async_rounds import (
     add_set_argument,
     add_step_s_argument,
     bench_run_config,
+    run_with_one_unit,
     runs_dir,
+    side_by_side,
     time_to_target,
 )
 from fedrl.sim.profiles import mix
@@ -209,26 +211,20 @@ def main(args) -> int:
     seeds = args.seeds or (1 if args.quick else 3)
     base, clients, sim_for, setting, budget = (scenario_setup if args.scenario else friction_setup)(args)
     runs = runs_dir(args.out)
-    start, step_s = time.perf_counter(), args.step_s
+    start = time.perf_counter()
     methods = ", ".join(args.methods)
     print(f"{len(args.methods) * seeds} runs ({methods} x {seeds} seeds): {clients} clients, {budget}")
 
-    def case(seed: int, method: str, step_s: float | None) -> dict:
+    def case_for(key: tuple[int, str], step_s: float | None) -> dict:
+        seed, method = key
         cfg = base.replace(method=method, seed=seed, out_dir=str(runs / f"{method}-seed{seed}"), resume=False)
         sim = sim_for(seed)
         sim = sim.replace(step_s=step_s or sim.step_s)
         return {"cfg": cfg, "sim": sim, "clients": clients, "engine": args.engine, "target": args.target}
 
     order = [(seed, method) for seed in range(seeds) for method in args.methods]
-    results = []
-    if step_s is None:  # the first run's calibration is every run's unit of work
-        results.append(run_case({**case(*order[0], None), "quiet": False}))
-        step_s, order = results[0]["step_s"], order[1:]
-    # virtual-clock runs with one unit of work do not depend on the load: side by side, they
-    # give what they give one at a time (real-clock runs would share the cores; Ray is one per machine)
-    workers = args.workers if sim_for(0).clock == "virtual" and args.engine == "local" else 1
-    cases = [{**case(seed, method, step_s), "quiet": workers > 1} for seed, method in order]
-    results += run_cases(run_case, cases, workers, "bench methods")
+    workers = side_by_side(args.workers, sim_for(0).clock, args.engine)
+    results, step_s = run_with_one_unit(run_case, case_for, order, args.step_s, workers, "bench methods")
     summary = {m: method_summary([r for r in results if r["method"] == m]) for m in args.methods}
     out = write_json(
         {
