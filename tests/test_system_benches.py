@@ -263,9 +263,9 @@ def test_bench_methods_runs_the_real_federation_per_method(tmp_path):
     assert set(data["summary"]) == {"dg", "ppo"} and out.with_suffix(".png").exists()
 
 
-@pytest.mark.parametrize("bench", ["chaos", "overlap", "pulse", "scale"])
+@pytest.mark.parametrize("bench", ["overlap", "pulse", "scale"])
 def test_benchmarks_that_run_one_case_at_a_time_refuse_workers(bench, capsys):
-    """`--workers` belongs to the benchmarks that run cases side by side (dg, methods, async)."""
+    """`--workers` belongs to the benchmarks that run cases side by side (dg, methods, async, chaos)."""
     from fedrl.cli.main import main
 
     with pytest.raises(SystemExit) as refused:

@@ -33,10 +33,10 @@ import json
 import time
 from pathlib import Path
 
-from fedrl.bench.common import write_json
+from fedrl.bench.common import add_workers_argument, write_json
 from fedrl.patch import PatchLimits
 from fedrl.sim.attacks import ATTACKS
-from fedrl.sim.bench.async_rounds import add_set_argument
+from fedrl.sim.bench.async_rounds import add_set_argument, run_with_one_unit
 from fedrl.sim.runner import parse_overrides, simulate
 from fedrl.sim.simulated_server import SimConfig
 from fedrl.strategies.run_config import RunConfig
@@ -73,6 +73,7 @@ def add_arguments(parser) -> None:
         "one eval problem moves a run's kept improvement by about 1.5%%",
     )
     add_set_argument(parser)
+    add_workers_argument(parser)
 
 
 def attackers(clients: int, attack: str) -> int:
@@ -107,72 +108,91 @@ def row(name: str, summary: dict, clean: dict, versions: int, **fields) -> dict:
     }
 
 
+def byzantine_run(case: dict) -> dict:
+    """One byzantine run (a seed, a rule, an attack or none): its summary."""
+    seed, rule, attack = case["key"]
+    cfg = case["cfg"]
+    if not case["quiet"]:
+        print(
+            f"[byzantine/{rule}/seed {seed}] {attack or 'clean'}: {case['clients']} clients, "
+            f"{cfg.versions} versions",
+            flush=True,
+        )
+    s = simulate(cfg, case["sim"], case["clients"], True, "local")
+    return {"key": case["key"], "summary": s, "step_s": s["simulation"]["step_s"]}
+
+
 def byzantine(
-    base: RunConfig, clients: int, rules: list[str], attacks: list[str], seeds: list[int], out: Path
+    base: RunConfig,
+    clients: int,
+    rules: list[str],
+    attacks: list[str],
+    seeds: list[int],
+    out: Path,
+    workers: int,
 ) -> list[dict]:
+    """Every (seed, rule) clean and under each attack, with one unit of work (the first run's
+    measurement), side by side in `workers` processes; a row per attacked run."""
+
+    def case_for(key: tuple[int, str, str], step_s: float | None) -> dict:
+        seed, rule, attack = key
+        run = out / f"seed-{seed}" / f"{rule}-{attack or 'clean'}"
+        cfg = base.replace(**RULES[rule], seed=seed, out_dir=str(run), resume=False)
+        sim = SimConfig(profiles=profiles(clients, attack), clock="virtual", step_s=step_s or 0.0)
+        return {"key": key, "cfg": cfg, "sim": sim, "clients": clients}
+
+    keys = [(seed, rule, attack) for seed in seeds for rule in rules for attack in ["", *attacks]]
+    done, _ = run_with_one_unit(byzantine_run, case_for, keys, None, workers, "bench chaos byzantine")
+    summaries = {tuple(d["key"]): d["summary"] for d in done}
     rows = []
-    for seed, rule in ((seed, rule) for seed in seeds for rule in rules):
-        clean = None
-        for attack in ["", *attacks]:
-            print(
-                f"[byzantine/{rule}/seed {seed}] {attack or 'clean'}: {clients} clients, "
-                f"{base.versions} versions",
-                flush=True,
-            )
-            run = out / f"seed-{seed}" / f"{rule}-{attack or 'clean'}"
-            cfg = base.replace(**RULES[rule], seed=seed, out_dir=str(run), resume=False)
-            s = simulate(
-                cfg, SimConfig(profiles=profiles(clients, attack), clock="virtual"), clients, True, "local"
-            )
-            if not attack:
-                clean = s
-                continue
-            first = clients - attackers(clients, attack)
-            bad = {int(node) for node, c in s["clients"].items() if c["client_id"] >= first}
-            judged = [e for e in s["events"] if e["kind"] in ("accepted", "rejected")]
-            mine = [e for e in judged if e.get("node") in bad]
-            gated = [e for e in judged if e["kind"] == "rejected" and e.get("cause") == "gate"]
-            rows.append(
-                row(
-                    f"byzantine-{attack}",
-                    s,
-                    clean,
-                    base.versions,
-                    rule=rule,
-                    seed=seed,
-                    tried=len(mine),
-                    accepted=sum(e["kind"] == "accepted" for e in mine),
-                    rejected=sum(e["kind"] == "rejected" for e in mine),
-                    # an attacker's update in the global model: NaN must never be; the others are
-                    # bounded by the rule (clipped/trimmed/gated), which `improvement_kept` measures
-                    silently_accepted=sum(e["kind"] == "accepted" for e in mine) if attack == "nan" else 0,
-                    clipped=sum(e.get("clipped", 0) for e in s["events"] if e["kind"] == "version"),
-                    refused_by_cause=dict(
-                        collections.Counter(e["cause"] for e in mine if e["kind"] == "rejected")
-                    ),
-                    honest_refused=dict(
-                        collections.Counter(
-                            e["cause"] for e in judged if e["kind"] == "rejected" and e.get("node") not in bad
-                        )
-                    ),
-                    clean_refused=dict(
-                        collections.Counter(e["cause"] for e in clean["events"] if e["kind"] == "rejected")
-                    ),
-                    direction_cpu_s_per_reference=(
-                        s["direction"]["cpu_s"] / max(s["direction"]["references"], 1)
+    for seed, rule, attack in keys:
+        if not attack:
+            continue
+        s, clean = summaries[(seed, rule, attack)], summaries[(seed, rule, "")]
+        first = clients - attackers(clients, attack)
+        bad = {int(node) for node, c in s["clients"].items() if c["client_id"] >= first}
+        judged = [e for e in s["events"] if e["kind"] in ("accepted", "rejected")]
+        mine = [e for e in judged if e.get("node") in bad]
+        gated = [e for e in judged if e["kind"] == "rejected" and e.get("cause") == "gate"]
+        rows.append(
+            row(
+                f"byzantine-{attack}",
+                s,
+                clean,
+                base.versions,
+                rule=rule,
+                seed=seed,
+                tried=len(mine),
+                accepted=sum(e["kind"] == "accepted" for e in mine),
+                rejected=sum(e["kind"] == "rejected" for e in mine),
+                # an attacker's update in the global model: NaN must never be; the others are
+                # bounded by the rule (clipped/trimmed/gated), which `improvement_kept` measures
+                silently_accepted=sum(e["kind"] == "accepted" for e in mine) if attack == "nan" else 0,
+                clipped=sum(e.get("clipped", 0) for e in s["events"] if e["kind"] == "version"),
+                refused_by_cause=dict(
+                    collections.Counter(e["cause"] for e in mine if e["kind"] == "rejected")
+                ),
+                honest_refused=dict(
+                    collections.Counter(
+                        e["cause"] for e in judged if e["kind"] == "rejected" and e.get("node") not in bad
                     )
-                    if s.get("direction")
-                    else None,
-                    gate_caught=sum(e.get("node") in bad for e in gated),
-                    gate_refused_honest=sum(e.get("node") not in bad for e in gated),
-                    gate_cpu_s_per_update=(s["gate"]["cpu_s"] / max(s["gate"]["updates_scored"], 1))
-                    if s.get("gate")
-                    else None,
-                    attacker_weight=min(
-                        (w for c, w in s.get("reputation", {}).items() if int(c) >= first), default=None
-                    ),
-                )
+                ),
+                clean_refused=dict(
+                    collections.Counter(e["cause"] for e in clean["events"] if e["kind"] == "rejected")
+                ),
+                direction_cpu_s_per_reference=(s["direction"]["cpu_s"] / max(s["direction"]["references"], 1))
+                if s.get("direction")
+                else None,
+                gate_caught=sum(e.get("node") in bad for e in gated),
+                gate_refused_honest=sum(e.get("node") not in bad for e in gated),
+                gate_cpu_s_per_update=(s["gate"]["cpu_s"] / max(s["gate"]["updates_scored"], 1))
+                if s.get("gate")
+                else None,
+                attacker_weight=min(
+                    (w for c, w in s.get("reputation", {}).items() if int(c) >= first), default=None
+                ),
             )
+        )
     return rows
 
 
@@ -348,7 +368,7 @@ def main(args) -> int:
     start, faults, store_latency = time.perf_counter(), [], None
     seeds = list(range(args.seed, args.seed + (args.seeds or (1 if args.quick else 3))))
     if "byzantine" in args.families:
-        faults += byzantine(base, clients, rules, args.attacks, seeds, runs / "byzantine")
+        faults += byzantine(base, clients, rules, args.attacks, seeds, runs / "byzantine", args.workers)
     if "churn" in args.families:
         faults += churn(base, clients, runs / "churn")
     if "kill" in args.families:
