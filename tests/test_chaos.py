@@ -43,6 +43,7 @@ def test_bench_chaos_at_tiny_size_loses_nothing_and_lets_no_nan_in(tmp_path):
     assert main(argv + ["--attacks", "nan", "scale", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["byzantine_seeds"] == [0, 1] and result["overrides"] == {}
+    assert len({f["step_s"] for f in result["faults"]}) == 1  # every run used one unit of work
     # every seed has its own row per rule and attack, and the summary spans them
     seeds = {(f["name"], f["rule"]): set() for f in result["faults"]}
     for f in result["faults"]:

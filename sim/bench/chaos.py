@@ -36,7 +36,7 @@ from pathlib import Path
 from fedrl.bench.common import add_workers_argument, write_json
 from fedrl.patch import PatchLimits
 from fedrl.sim.attacks import ATTACKS
-from fedrl.sim.bench.async_rounds import add_set_argument, run_with_one_unit
+from fedrl.sim.bench.async_rounds import add_set_argument, add_step_s_argument, run_with_one_unit
 from fedrl.sim.runner import parse_overrides, simulate
 from fedrl.sim.simulated_server import SimConfig
 from fedrl.strategies.run_config import RunConfig
@@ -73,6 +73,7 @@ def add_arguments(parser) -> None:
         "one eval problem moves a run's kept improvement by about 1.5%%",
     )
     add_set_argument(parser)
+    add_step_s_argument(parser)  # the byzantine runs' unit of work
     add_workers_argument(parser)
 
 
@@ -129,10 +130,11 @@ def byzantine(
     attacks: list[str],
     seeds: list[int],
     out: Path,
+    step_s: float,
     workers: int,
 ) -> list[dict]:
-    """Every (seed, rule) clean and under each attack, with one unit of work (the first run's
-    measurement), side by side in `workers` processes; a row per attacked run."""
+    """Every (seed, rule) clean and under each attack, with one unit of work (`step_s`, or the
+    first run's measurement), side by side in `workers` processes; a row per attacked run."""
 
     def case_for(key: tuple[int, str, str], step_s: float | None) -> dict:
         seed, rule, attack = key
@@ -142,7 +144,7 @@ def byzantine(
         return {"key": key, "cfg": cfg, "sim": sim, "clients": clients}
 
     keys = [(seed, rule, attack) for seed in seeds for rule in rules for attack in ["", *attacks]]
-    done, _ = run_with_one_unit(byzantine_run, case_for, keys, None, workers, "bench chaos byzantine")
+    done, _ = run_with_one_unit(byzantine_run, case_for, keys, step_s, workers, "bench chaos byzantine")
     summaries = {tuple(d["key"]): d["summary"] for d in done}
     rows = []
     for seed, rule, attack in keys:
@@ -162,6 +164,7 @@ def byzantine(
                 base.versions,
                 rule=rule,
                 seed=seed,
+                step_s=s["simulation"]["step_s"],  # the unit of work this run used
                 tried=len(mine),
                 accepted=sum(e["kind"] == "accepted" for e in mine),
                 rejected=sum(e["kind"] == "rejected" for e in mine),
@@ -368,7 +371,9 @@ def main(args) -> int:
     start, faults, store_latency = time.perf_counter(), [], None
     seeds = list(range(args.seed, args.seed + (args.seeds or (1 if args.quick else 3))))
     if "byzantine" in args.families:
-        faults += byzantine(base, clients, rules, args.attacks, seeds, runs / "byzantine", args.workers)
+        faults += byzantine(
+            base, clients, rules, args.attacks, seeds, runs / "byzantine", args.step_s, args.workers
+        )
     if "churn" in args.families:
         faults += churn(base, clients, runs / "churn")
     if "kill" in args.families:
