@@ -22,6 +22,16 @@ class StoreError(OSError):
     """The store refused a request or could not be reached; the message says which and why."""
 
 
+def reason(err: BaseException) -> str:
+    """What went wrong, in a line: without the repr of the TLS context ("ssl:<ssl.SSLContext
+    object at 0x7f...>") that aiohttp's connection errors carry; a bare timeout by its name."""
+    if isinstance(err, aiohttp.ClientConnectorError):
+        cause = err.os_error  # asyncio words a refusal "Connect call failed (host, port)"
+        why = os.strerror(cause.errno) if cause.errno else str(cause)
+        return f"cannot connect to {err.host}:{err.port}: {why}"
+    return str(err) or type(err).__name__
+
+
 class PatchStoreClient:
     """Use inside one event loop: `async with PatchStoreClient(...) as c: await c.get(key)`.
     `token` is a token string, or a function that mints one (fedrl.credentials.token_source)."""
@@ -75,7 +85,7 @@ class PatchStoreClient:
             ) as resp:
                 await self._check(resp, f"upload {digest[:12]}")
         except aiohttp.ClientError as err:
-            raise StoreError(f"upload {digest[:12]}: {err}") from None
+            raise StoreError(f"upload {digest[:12]}: {reason(err)}") from None
         return digest
 
     async def get(self, digest: str, max_bytes: int = 1 << 32) -> bytes:
@@ -92,7 +102,7 @@ class PatchStoreClient:
                     await self.link.receive(len(chunk))
                     parts.append(chunk)
         except aiohttp.ClientError as err:
-            raise StoreError(f"download {digest[:12]}: {err}") from None
+            raise StoreError(f"download {digest[:12]}: {reason(err)}") from None
         data = b"".join(parts)
         if hashlib.sha256(data).hexdigest() != digest:
             raise StoreError(f"download {digest[:12]}: content does not hash to its name")
@@ -116,7 +126,7 @@ class PatchStoreClient:
             await self.link.receive(len(answer))
             return json.loads(answer)
         except aiohttp.ClientError as err:
-            raise StoreError(f"{method} {path}: {err}") from None
+            raise StoreError(f"{method} {path}: {reason(err)}") from None
 
     async def catalog(
         self, target: int | None = None, held: int | None = None, plans: int | None = None
@@ -164,7 +174,7 @@ class PatchStoreClient:
                     size += len(chunk)
                     await self.link.receive(len(chunk))
         except aiohttp.ClientError as err:
-            raise StoreError(f"probe download: {err}") from None
+            raise StoreError(f"probe download: {reason(err)}") from None
         return size
 
     async def probe_up(self, nbytes: int) -> int:
@@ -185,7 +195,7 @@ class PatchStoreClient:
                 await self._check(resp, "probe upload")
                 return int((await resp.json())["bytes"])
         except aiohttp.ClientError as err:
-            raise StoreError(f"probe upload: {err}") from None
+            raise StoreError(f"probe upload: {reason(err)}") from None
 
 
 class BlockingStoreClient:

@@ -265,6 +265,8 @@ def test_the_cli_fails_clearly_on_a_bad_invite_and_an_unreachable_store(tmp_path
         timeout=120,
     )
     assert down.returncode == 4 and "cannot reach the patch store" in down.stderr, down.stderr[-800:]
+    assert "cannot connect to 127.0.0.1:9: Connection refused" in down.stderr  # the reason, nothing else
+    assert "SSLContext" not in down.stderr
 
 
 def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):

@@ -23,6 +23,7 @@ import psutil
 
 from fedrl.credentials import CLOCK_SKEW_S
 from fedrl.invite import Invite
+from fedrl.store_client import reason
 from fedrl.volunteer.probe import Limits, accelerator
 
 PASS, WARN, FAIL = "pass", "warn", "FAIL"
@@ -133,13 +134,12 @@ def run_preflight(invite: Invite, ca_file: str, limits: Limits, home: Path) -> l
         seconds, skew = asyncio.run(store_clock(invite.store_url, ca_file))
         checks += [reach_check(STORE, invite.store_url, seconds), clock_check(skew)]
     except (OSError, aiohttp.ClientError, ValueError) as err:  # TimeoutError is an OSError
-        error = str(err) or type(err).__name__
-        checks += [reach_check(STORE, invite.store_url, None, error), clock_check(None, "no store")]
+        checks += [reach_check(STORE, invite.store_url, None, reason(err)), clock_check(None, "no store")]
     host, _, port = invite.superlink.rpartition(":")
     try:
         checks.append(reach_check(SUPERLINK, invite.superlink, tls_handshake(host, int(port), ca_file)))
     except (OSError, ValueError) as err:
-        checks.append(reach_check(SUPERLINK, invite.superlink, None, str(err) or type(err).__name__))
+        checks.append(reach_check(SUPERLINK, invite.superlink, None, reason(err)))
     return checks
 
 
