@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from fedrl.arguments import at_least
+
 
 def cmd_models(args) -> int:
     from fedrl.models import cache_dir
@@ -136,6 +138,8 @@ def cmd_deploy(args) -> int:
         from fedrl.deploy.services import submit
 
         return submit(args.superlink, Path(args.certs), Path(args.home), args.nodes, overrides, args.timeout)
+    if args.nodes == 0 and not args.volunteers:
+        raise ValueError("--nodes 0 leaves the run no node to train on: give --nodes N or --volunteers")
     deployment = LocalDeployment(args.dir, args.nodes, port=args.port)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cleanly, like Ctrl-C
     try:
@@ -312,8 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", help="a PEFT adapter directory to load on top of the model")
     p.add_argument("--task", default="reversal", help="reversal, addition or digits")
     p.add_argument("--task-params", default="{}", help="JSON task parameters, e.g. '{\"length\": 8}'")
-    p.add_argument("--limit", type=int, default=0, help="evaluate only the first N held-out problems")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--limit", type=at_least(0), default=0, help="evaluate only the first N held-out problems")
+    p.add_argument("--batch-size", type=at_least(1), default=64)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
@@ -327,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="ray",
         help="ray: Flower's run_simulation; local: ClientApps in this process, one at a time",
     )
-    p.add_argument("--clients", type=int, help="override the scenario's number of clients")
+    p.add_argument("--clients", type=at_least(1), help="override the scenario's number of clients")
     p.add_argument("--out", help="output folder (default runs/sim-TIMESTAMP)")
     p.add_argument(
         "--set",
@@ -394,7 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--superlink", default="127.0.0.1:9092", help="node/submit: the SuperLink's HOST:PORT")
     p.add_argument("--certs", default="/certs", help="node/submit: the folder made by `fedrl certs`")
     p.add_argument("--home", default="/var/lib/fedrl/node", help="node/submit: own keys and flwr profile")
-    p.add_argument("--nodes", type=int, default=3, help="number of SuperNodes")
+    p.add_argument(
+        "--nodes", type=at_least(0), default=3, help="number of SuperNodes (local: 0 with --volunteers)"
+    )
     p.add_argument("--dir", default="runs/deploy-local", help="certs, logs, state and results go here")
     p.add_argument("--port", type=int, default=0, help="the SuperLink's port (default: a free one)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up on the run after this many s")

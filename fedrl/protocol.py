@@ -25,6 +25,7 @@ ACTIONS = ("train", "flush", "goodbye")
 NO_UPLOAD = -2  # upload_block when a reply carries no upload
 LEAVING = ("", "after-flush", "now")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # what published versions may be cast to
+LOSS_NAMES = ("dg", "reinforce", "iw_pg", "ppo", "decoupled_ppo")  # fedrl.losses.LOSSES, by name
 
 
 def check_json(text: str, what: str) -> None:
@@ -46,9 +47,25 @@ def check_wire_dtype(dtype: str) -> None:
         raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {dtype!r}")
 
 
-def check_temperature(temperature: float) -> None:
-    if not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+def check_learner(settings) -> None:
+    """What a learner can train with, checked where the settings are written (a run config, an
+    invite) and where they arrive (every instruction): a negative lr or an unknown loss would
+    otherwise fail on every client, every round, while the coordinator waits for updates."""
+    from fedrl.tasks import TASKS  # light: no torch
+
+    s = settings
+    if s.task not in TASKS:
+        raise ValueError(f"unknown task {s.task!r}; known: {sorted(TASKS)}")
+    check_json(s.task_params, "task_params")
+    if s.method not in LOSS_NAMES:
+        raise ValueError(f"method must be one of {LOSS_NAMES}, got {s.method!r}")
+    if min(s.num_blocks, s.lora_rank, s.prompts, s.samples) < 1:
+        raise ValueError("num_blocks, lora_rank, prompts and samples must be >= 1")
+    for name in ("lr", "lora_alpha", "temperature"):
+        if not 0 < getattr(s, name) < float("inf"):
+            raise ValueError(f"{name} must be a finite number > 0, got {getattr(s, name)}")
+    if s.micro_batch < 0:
+        raise ValueError(f"micro_batch must be >= 0, got {s.micro_batch}")
 
 
 class LearnerSettings(Schema):
@@ -70,6 +87,11 @@ class LearnerSettings(Schema):
     # a node's Adam goes on from its last round on each tensor (DiLoCo's inner state) instead
     # of starting fresh every round
     keep_optimizer_state: bool = False
+
+    @model_validator(mode="after")
+    def _learnable(self):
+        check_learner(self)
+        return self
 
     @classmethod
     def of(cls, source) -> dict:
@@ -105,16 +127,12 @@ class TrainInstruction(LearnerSettings):
             raise ValueError("steps, version and client_id must be >= 0")
         check_upload_density(self.upload_density, self.mode)
         check_wire_dtype(self.wire_dtype)
-        if min(self.num_blocks, self.prompts, self.samples, self.data_shards) < 1:
-            raise ValueError("num_blocks, prompts, samples and data_shards must be >= 1")
-        check_temperature(self.temperature)
-        if self.micro_batch < 0:
-            raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
+        if self.data_shards < 1:
+            raise ValueError(f"data_shards must be >= 1, got {self.data_shards}")
         if not -1 <= self.block < self.num_blocks or (self.block == -1) != (self.mode == "fedavg-lora"):
             raise ValueError(
                 f"block {self.block} does not fit mode {self.mode} with {self.num_blocks} blocks"
             )
-        check_json(self.task_params, "task_params")
         return self
 
     @property

@@ -152,6 +152,8 @@ def main(args) -> int:
                         "time_s",
                     )
                 }
+                # why it stopped before its versions (a stalled run: every reply an error or refused)
+                | ({"stop_reason": summary["stop_reason"]} if summary["stop_reason"] else {})
             )
         )
         print(

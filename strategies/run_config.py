@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import model_validator
 
-from fedrl.protocol import MODES, check_json, check_temperature, check_upload_density, check_wire_dtype
+from fedrl.protocol import MODES, check_learner, check_upload_density, check_wire_dtype
 from fedrl.schema import Schema
 
 WEIGHTINGS = ("cosine", "none")  # the direction check's weight of an accepted update: max(cos, 0), or 1
@@ -98,14 +98,14 @@ class RunConfig(Schema):
     def _consistent(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if min(self.versions, self.buffer_size, self.min_nodes, self.eval_every, self.num_blocks) < 1:
-            raise ValueError("versions, buffer_size, min_nodes, eval_every and num_blocks must be >= 1")
+        check_learner(self)
+        if min(self.versions, self.buffer_size, self.min_nodes, self.eval_every) < 1:
+            raise ValueError("versions, buffer_size, min_nodes and eval_every must be >= 1")
         nonnegative = ["max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"]
         nonnegative += ["direction_probe", "direction_threshold"]
-        nonnegative += ["final_eval_size", "micro_batch"]
+        nonnegative += ["final_eval_size"]
         if min(getattr(self, name) for name in nonnegative) < 0:
             raise ValueError(f"{', '.join(nonnegative)} must be >= 0")
-        check_temperature(self.temperature)
         check_upload_density(self.upload_density, self.mode)
         if not 0 <= self.gate_tolerance <= 1:
             raise ValueError(f"gate_tolerance is a drop in mean reward, in [0, 1]; got {self.gate_tolerance}")
@@ -127,7 +127,6 @@ class RunConfig(Schema):
             raise ValueError("store_url needs store_secret_file (the secret the standalone store was given)")
         if self.store_url and not self.store_url.startswith(("http://", "https://")):
             raise ValueError(f"store_url must start with http:// or https://, got {self.store_url!r}")
-        check_json(self.task_params, "task_params")
         check_wire_dtype(self.wire_dtype)
         if self.direction_weighting not in WEIGHTINGS:
             raise ValueError(

@@ -4,7 +4,7 @@ from fake_grid import instruction_record
 
 from fedrl.clients.block_worker import block_correction
 from fedrl.clients.runtime import overlap_seconds
-from fedrl.protocol import TrainInstruction, TrainReport
+from fedrl.protocol import LearnerSettings, TrainInstruction, TrainReport
 from fedrl.schema import SchemaError
 from fedrl.strategies.run_config import RunConfig
 
@@ -113,6 +113,39 @@ def test_run_config_from_flower_style_keys_and_errors():
     for bad in ({"max-wall-s": -1.0}, {"final-eval-size": -5}):
         with pytest.raises(SchemaError, match="must be >= 0"):
             RunConfig.from_mapping(bad)
+
+
+LEARNER_SETTINGS_THAT_CANNOT_TRAIN = [
+    ({"lr": -1.0}, "lr must be a finite number > 0"),
+    ({"lr": 0.0}, "lr must be a finite number > 0"),
+    ({"lr": float("nan")}, "lr must be a finite number > 0"),
+    ({"lora_alpha": 0.0}, "lora_alpha must be a finite number > 0"),
+    ({"lora_rank": 0}, "num_blocks, lora_rank, prompts and samples must be >= 1"),
+    ({"prompts": 0}, "num_blocks, lora_rank, prompts and samples must be >= 1"),
+    ({"samples": -2}, "num_blocks, lora_rank, prompts and samples must be >= 1"),
+    ({"method": "grpo"}, "method must be one of"),
+    ({"task": "chess"}, "unknown task 'chess'"),
+    ({"micro_batch": -1}, "micro_batch must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("bad, message", LEARNER_SETTINGS_THAT_CANNOT_TRAIN)
+def test_settings_no_learner_can_train_with_are_refused_where_written_and_where_they_arrive(bad, message):
+    """Before: `fedrl sim --set lr=-1` ran to its end with 207 client errors, 0 versions and exit 0
+    (Adam refused the lr on every client, every round)."""
+    with pytest.raises(SchemaError, match=message):
+        RunConfig.parse(bad, "run config")
+    with pytest.raises(SchemaError, match=message):
+        TrainInstruction.parse(_instruction(**bad))
+    with pytest.raises(SchemaError, match=message):  # what an invite carries
+        LearnerSettings.parse({**LearnerSettings.of(RunConfig()), **bad})
+
+
+def test_every_loss_a_message_may_name_exists():
+    from fedrl.losses import LOSSES
+    from fedrl.protocol import LOSS_NAMES
+
+    assert set(LOSS_NAMES) == set(LOSSES)
 
 
 def test_a_node_holds_v0_only_when_its_own_seeded_build_hashes_as_the_coordinators():

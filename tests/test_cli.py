@@ -2,7 +2,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from cli_process import run_fedrl
+
+from fedrl.cli.main import main
 
 
 def test_help_lists_subcommands():
@@ -70,3 +73,28 @@ def test_a_wrong_override_type_is_one_line():
         "versions: Input should be a valid integer" in out.stderr
         and len(out.stderr.strip().splitlines()) == 1
     )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["sim", "--clients", "0"], "argument --clients: must be >= 1, got 0"),
+        (["eval", "--limit", "-3"], "argument --limit: must be >= 0, got -3"),
+        (["eval", "--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+        (["bench", "methods", "--clients", "0"], "argument --clients: must be >= 1, got 0"),
+        (["bench", "dg", "--seeds", "0"], "argument --seeds: must be >= 1, got 0"),
+        (["bench", "chaos", "--kills", "x"], "argument --kills: expected an integer, got 'x'"),
+        (["bench", "scale", "--clients", "10", "0"], "argument --clients: must be >= 1, got 0"),
+    ],
+)
+def test_a_count_below_its_minimum_is_refused_not_read_as_the_default(argv, message, capsys):
+    """Before: `--clients 0` ran the default number of clients, `--limit -3` all problems but 3."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_local_deployment_without_nodes_or_volunteers_is_refused_before_it_starts(tmp_path, capsys):
+    assert main(["deploy", "local", "--nodes", "0", "--dir", str(tmp_path)]) == 2
+    assert "--nodes 0 leaves the run no node to train on" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing was started or written

@@ -98,10 +98,11 @@ def test_a_compute_error_joins_the_comm_thread_first(tmp_path):
 
     fed = Federation()
     try:
-        instr = fed.instruction("parablock", steps=2).replace(task="chess")  # compute fails at once
+        # compute fails at once: no reversal task takes this parameter
+        instr = fed.instruction("parablock", steps=2).replace(task_params='{"colour": 1}')
         slow = ClientProfile(up_bytes_s=20e3, down_bytes_s=20e3)  # the upload takes ~1 s
         with use_runtime(SimulatedRuntime(slow, virtual=False, step_s=1.0)):
-            with pytest.raises(ValueError, match="unknown task"):
+            with pytest.raises(ValueError, match="bad parameters for task 'reversal'"):
                 handle(instr, fed.state, fed.models)
         assert not [t for t in threading.enumerate() if t.name == "comm"]
     finally:
