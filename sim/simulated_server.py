@@ -41,8 +41,10 @@ class SimConfig(Schema):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.clock not in ("real", "virtual") or self.step_s < 0:
-            raise ValueError(f"clock must be real or virtual (got {self.clock!r}) and step_s >= 0")
+        if self.clock not in ("real", "virtual"):
+            raise ValueError(f"clock must be real or virtual, got {self.clock!r}")
+        if not 0 <= self.step_s < float("inf"):
+            raise ValueError(f"step_s must be a finite number >= 0 (0: measured here), got {self.step_s}")
         try:
             resolve_profiles(self.profiles, 1)
         except ProfileError as err:

@@ -60,7 +60,6 @@ from fedrl.schema import OTHER_VERSION, SchemaError
 from fedrl.signing import load_or_create_signing_key, public_key_pem
 from fedrl.store_client import BlockingStoreClient, StoreError, put_signed_patches
 from fedrl.strategies.aggregation import (
-    AggregationConfig,
     Update,
     aggregate_block,
     clip_limit,
@@ -156,14 +155,7 @@ class Coordinator:
         self.scheduler = BlockScheduler(
             cfg.num_blocks, cfg.schedule, cfg.base_steps, cfg.min_steps, cfg.max_steps, cfg.seed
         )
-        self.agg = AggregationConfig(
-            cfg.alpha,
-            cfg.max_staleness,
-            cfg.clip_norm or None,
-            cfg.clip_multiple,
-            cfg.refuse_multiple,
-            cfg.robust,
-        )
+        self.agg = cfg.aggregation()
         self.recent_norms: collections.deque = collections.deque(maxlen=RECENT_NORMS)  # accepted unit norms
         # top-k uploads: the steps of the latest uploads of a (client id, block), which its residual carries
         self.feedback_steps: dict[tuple[int, int], collections.deque] = {}

@@ -9,6 +9,7 @@ from pydantic import model_validator
 
 from fedrl.protocol import MODES, check_learner, check_upload_density, check_wire_dtype
 from fedrl.schema import Schema
+from fedrl.strategies.aggregation import AggregationConfig
 
 WEIGHTINGS = ("cosine", "none")  # the direction check's weight of an accepted update: max(cos, 0), or 1
 
@@ -99,8 +100,10 @@ class RunConfig(Schema):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         check_learner(self)
-        if min(self.versions, self.buffer_size, self.min_nodes, self.eval_every) < 1:
-            raise ValueError("versions, buffer_size, min_nodes and eval_every must be >= 1")
+        self.aggregation()  # its own checks: alpha, max_staleness, the clip and refuse multiples, robust
+        at_least_one = ["versions", "buffer_size", "min_nodes", "eval_every", "anchor_every", "stall_replies"]
+        if min(getattr(self, name) for name in at_least_one) < 1:
+            raise ValueError(f"{', '.join(at_least_one)} must be >= 1")
         nonnegative = ["max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"]
         nonnegative += ["direction_probe", "direction_threshold"]
         nonnegative += ["final_eval_size"]
@@ -117,12 +120,8 @@ class RunConfig(Schema):
             raise ValueError("deadline_s, watchdog_s and node_wait_s must be > 0")
         if not 1 <= self.min_steps <= self.max_steps:
             raise ValueError("need 1 <= min_steps <= max_steps")
-        if self.robust not in ("mean", "trimmed-mean", "median") or self.schedule not in (
-            "cyclic",
-            "random",
-            "lru",
-        ):
-            raise ValueError(f"unknown robust {self.robust!r} or schedule {self.schedule!r}")
+        if self.schedule not in ("cyclic", "random", "lru"):
+            raise ValueError(f"schedule must be cyclic, random or lru, got {self.schedule!r}")
         if self.store_url and not self.store_secret_file:
             raise ValueError("store_url needs store_secret_file (the secret the standalone store was given)")
         if self.store_url and not self.store_url.startswith(("http://", "https://")):
@@ -133,6 +132,16 @@ class RunConfig(Schema):
                 f"direction_weighting must be one of {WEIGHTINGS}, got {self.direction_weighting!r}"
             )
         return self
+
+    def aggregation(self) -> AggregationConfig:
+        return AggregationConfig(
+            self.alpha,
+            self.max_staleness,
+            self.clip_norm or None,
+            self.clip_multiple,
+            self.refuse_multiple,
+            self.robust,
+        )
 
     @property
     def shards(self) -> int:

@@ -113,6 +113,20 @@ def test_run_config_from_flower_style_keys_and_errors():
     for bad in ({"max-wall-s": -1.0}, {"final-eval-size": -5}):
         with pytest.raises(SchemaError, match="must be >= 0"):
             RunConfig.from_mapping(bad)
+    # each used to pass here and fail once the coordinator built its parts (18 s into `fedrl sim`),
+    # or (stall_replies 0) to stop the run before its first reply
+    for bad, message in (
+        ({"max-staleness": -1}, "alpha and max_staleness must be >= 0"),
+        ({"alpha": -0.5}, "alpha and max_staleness must be >= 0"),
+        ({"clip-multiple": 0.5}, "clip_multiple must be 0 .off. or >= 1"),
+        ({"robust": "mode"}, "robust must be mean, trimmed-mean or median"),
+        ({"anchor-every": 0}, "anchor_every, stall_replies must be >= 1"),
+        ({"stall-replies": 0}, "anchor_every, stall_replies must be >= 1"),
+        ({"schedule": "fifo"}, "schedule must be cyclic, random or lru"),
+    ):
+        with pytest.raises(SchemaError, match=message):
+            RunConfig.from_mapping(bad)
+    assert RunConfig.from_mapping({"robust": "median", "alpha": 0.0}).aggregation().robust == "median"
 
 
 LEARNER_SETTINGS_THAT_CANNOT_TRAIN = [
