@@ -118,20 +118,18 @@ def main(args) -> int:
         return 0
     scenario = load_scenario(args.scenario)
     clients = args.clients or scenario.clients
-    base, sim = split_config(
-        {**scenario.config.model_dump(), **scenario.sim.model_dump(), **parse_overrides(args.set)}
-    )
+    overrides = parse_overrides(args.set)
+    base, sim = split_config({**scenario.config.model_dump(), **scenario.sim.model_dump(), **overrides})
+    seeds = [base.seed] if "seed" in overrides else list(scenario.seeds)  # else `--set seed` was lost
     out = Path(args.out or f"runs/sim-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    print(
-        f"scenario {scenario.name}: {scenario.description} ({clients} clients, seeds {list(scenario.seeds)})"
-    )
+    print(f"scenario {scenario.name}: {scenario.description} ({clients} clients, seeds {seeds})")
     if args.dashboard is not None:
         base = base.replace(monitor_port=args.dashboard or free_port(base.monitor_host))
         host = "127.0.0.1" if base.monitor_host == "0.0.0.0" else base.monitor_host
         url = f"http://{host}:{base.monitor_port}"
         print(f"live dashboard: {url}/dashboard  metrics: {url}/metrics", flush=True)
-    for seed in scenario.seeds:
-        run_out = out / f"seed-{seed}" if len(scenario.seeds) > 1 else out
+    for seed in seeds:
+        run_out = out / f"seed-{seed}" if len(seeds) > 1 else out
         cfg = base.replace(out_dir=str(run_out), min_nodes=clients, seed=seed)
         start = time.perf_counter()
         summary = simulate(cfg, sim, clients, engine=args.engine)

@@ -75,7 +75,6 @@ from fedrl.strategies.gate import VerificationGate
 from fedrl.strategies.membership import Membership
 from fedrl.strategies.reputation import Reputation
 from fedrl.strategies.run_config import RunConfig
-from fedrl.strategies.scheduler import BlockScheduler
 from fedrl.tasks import get_task
 
 log = logging.getLogger("fedrl.coordinator")
@@ -152,9 +151,7 @@ class Coordinator:
         self.global_state = dict(self.adapter.initial)
         self.origin_hash = state_hash(self.wire(self.global_state))  # a node that builds v0 needs no download
         self.version = 0
-        self.scheduler = BlockScheduler(
-            cfg.num_blocks, cfg.schedule, cfg.base_steps, cfg.min_steps, cfg.max_steps, cfg.seed
-        )
+        self.scheduler = cfg.block_scheduler()
         self.agg = cfg.aggregation()
         self.recent_norms: collections.deque = collections.deque(maxlen=RECENT_NORMS)  # accepted unit norms
         # top-k uploads: the steps of the latest uploads of a (client id, block), which its residual carries

@@ -10,6 +10,7 @@ from pydantic import model_validator
 from fedrl.protocol import MODES, check_learner, check_upload_density, check_wire_dtype
 from fedrl.schema import Schema
 from fedrl.strategies.aggregation import AggregationConfig
+from fedrl.strategies.scheduler import BlockScheduler
 
 WEIGHTINGS = ("cosine", "none")  # the direction check's weight of an accepted update: max(cos, 0), or 1
 
@@ -101,6 +102,7 @@ class RunConfig(Schema):
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         check_learner(self)
         self.aggregation()  # its own checks: alpha, max_staleness, the clip and refuse multiples, robust
+        self.block_scheduler()  # and its: schedule, 1 <= min_steps <= base_steps <= max_steps, seed
         at_least_one = ["versions", "buffer_size", "min_nodes", "eval_every", "anchor_every", "stall_replies"]
         if min(getattr(self, name) for name in at_least_one) < 1:
             raise ValueError(f"{', '.join(at_least_one)} must be >= 1")
@@ -118,10 +120,6 @@ class RunConfig(Schema):
             )
         if self.deadline_s <= 0 or self.watchdog_s <= 0 or self.node_wait_s <= 0:
             raise ValueError("deadline_s, watchdog_s and node_wait_s must be > 0")
-        if not 1 <= self.min_steps <= self.max_steps:
-            raise ValueError("need 1 <= min_steps <= max_steps")
-        if self.schedule not in ("cyclic", "random", "lru"):
-            raise ValueError(f"schedule must be cyclic, random or lru, got {self.schedule!r}")
         if self.store_url and not self.store_secret_file:
             raise ValueError("store_url needs store_secret_file (the secret the standalone store was given)")
         if self.store_url and not self.store_url.startswith(("http://", "https://")):
@@ -141,6 +139,11 @@ class RunConfig(Schema):
             self.clip_multiple,
             self.refuse_multiple,
             self.robust,
+        )
+
+    def block_scheduler(self) -> BlockScheduler:
+        return BlockScheduler(
+            self.num_blocks, self.schedule, self.base_steps, self.min_steps, self.max_steps, self.seed
         )
 
     @property

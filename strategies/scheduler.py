@@ -34,9 +34,11 @@ class BlockScheduler:
 
     def __post_init__(self):
         if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+            raise ValueError(f"schedule must be one of {POLICIES}, got {self.policy!r}")
         if self.num_blocks < 1 or not 1 <= self.min_steps <= self.base_steps <= self.max_steps:
             raise ValueError("need num_blocks >= 1 and 1 <= min_steps <= base_steps <= max_steps")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         self.last_update = self.last_update or [-1] * self.num_blocks
         self.in_flight = self.in_flight or [0] * self.num_blocks
         self._rng = np.random.default_rng(self.seed)

@@ -122,7 +122,9 @@ def test_run_config_from_flower_style_keys_and_errors():
         ({"robust": "mode"}, "robust must be mean, trimmed-mean or median"),
         ({"anchor-every": 0}, "anchor_every, stall_replies must be >= 1"),
         ({"stall-replies": 0}, "anchor_every, stall_replies must be >= 1"),
-        ({"schedule": "fifo"}, "schedule must be cyclic, random or lru"),
+        ({"schedule": "fifo"}, "schedule must be one of .'cyclic', 'random', 'lru'., got 'fifo'"),
+        ({"base-steps": 0}, "1 <= min_steps <= base_steps <= max_steps"),
+        ({"seed": -1}, "seed must be >= 0"),
     ):
         with pytest.raises(SchemaError, match=message):
             RunConfig.from_mapping(bad)
