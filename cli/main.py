@@ -36,10 +36,19 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+EVAL_DEFAULTS = {"model": "tiny-base", "task": "reversal", "task_params": "{}"}
+
+
 def cmd_eval(args) -> int:
+    from fedrl.adapter_record import read_record
     from fedrl.protocol import check_json
     from fedrl.tasks import get_task
 
+    # what is not given comes from the adapter's record (the run's model and task), else the defaults
+    record = read_record(args.adapter) if args.adapter else {}
+    for key, default in EVAL_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, record.get(key, default))
     check_json(args.task_params, "--task-params")
     task = get_task(args.task, **json.loads(args.task_params))  # a bad task fails before torch loads
 
@@ -50,7 +59,14 @@ def cmd_eval(args) -> int:
     if args.adapter:
         from peft import PeftModel
 
-        lm.model = PeftModel.from_pretrained(lm.model, args.adapter).eval()
+        try:
+            lm.model = PeftModel.from_pretrained(lm.model, args.adapter).eval()
+        except RuntimeError as err:  # torch's size mismatches: dozens of lines, one per tensor
+            last = str(err).strip().splitlines()[-1].strip()
+            trained_on = f" (it was trained on {record['model']!r})" if record else ""
+            raise ValueError(
+                f"the adapter in {args.adapter} does not fit model {args.model!r}{trained_on}: {last}"
+            ) from None
     problems = task.eval_problems()[: args.limit or None]
     start = time.perf_counter()
     evaluation = greedy_eval(lm, task, problems, batch_size=args.batch_size)
@@ -312,10 +328,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "eval", help="greedy held-out error of a model (optionally with a LoRA adapter) on a task"
     )
-    p.add_argument("--model", default="tiny-base")
-    p.add_argument("--adapter", help="a PEFT adapter directory to load on top of the model")
-    p.add_argument("--task", default="reversal", help="reversal, addition or digits")
-    p.add_argument("--task-params", default="{}", help="JSON task parameters, e.g. '{\"length\": 8}'")
+    p.add_argument("--model", help="a model spec (default: the adapter's, else tiny-base)")
+    p.add_argument(
+        "--adapter", help="a PEFT adapter directory to load on top of the model (a run's OUT/adapter)"
+    )
+    p.add_argument("--task", help="reversal, addition or digits (default: the adapter's, else reversal)")
+    p.add_argument(
+        "--task-params", help="JSON task parameters, e.g. '{\"length\": 8}' (default: the adapter's, else {})"
+    )
     p.add_argument("--limit", type=at_least(0), default=0, help="evaluate only the first N held-out problems")
     p.add_argument("--batch-size", type=at_least(1), default=64)
     p.set_defaults(func=cmd_eval)

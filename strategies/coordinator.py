@@ -25,6 +25,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.serde import message_to_proto
 
+from fedrl.adapter_record import write_record
 from fedrl.blocks import ALL_BLOCKS
 from fedrl.clock import Clock, RealClock
 from fedrl.credentials import (
@@ -936,6 +937,9 @@ class Coordinator:
         self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
         adapter_dir = self.out_dir / "adapter"
         self.adapter.lm.model.save_pretrained(adapter_dir)
+        cfg = self.cfg  # what it was trained on, so that `fedrl eval --adapter DIR` needs nothing else
+        record = dict(model=cfg.model, task=cfg.task, task_params=cfg.task_params)
+        write_record(adapter_dir, **record, version=self.version, final_eval=final)
         spent = self.traffic()
         summary = {
             "config": self.cfg.model_dump(),

@@ -55,7 +55,7 @@ def test_profile_file_beside_the_scenario(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_small_scenario_runs_end_to_end_under_flower_simulation(tmp_path):
+def test_a_small_scenario_runs_end_to_end_under_flower_simulation(tmp_path, capsys):
     """`fedrl sim --scenario FILE` with Ray: a virtual-clock run with a mix, a dropout-prone client,
     a report with every plot and the HTML page."""
     from fedrl.cli.main import main
@@ -107,3 +107,8 @@ latency_s = 0.05
         assert (out / name).stat().st_size > 5000
     page = (out / "report.html").read_text()
     assert "staleness_histogram.png" in page and "small" in page
+    # the exported adapter, evaluated with nothing but its folder: the run's final held-out error
+    capsys.readouterr()
+    assert main(["eval", "--adapter", summary["adapter_dir"]]) == 0
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert evaluated["problems"] == 32 and evaluated["greedy_error"] == summary["final_eval"], evaluated
