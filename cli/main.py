@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedrl.arguments import at_least
+from fedrl.arguments import PORT, integer
 
 
 def cmd_models(args) -> int:
@@ -336,8 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--task-params", help="JSON task parameters, e.g. '{\"length\": 8}' (default: the adapter's, else {})"
     )
-    p.add_argument("--limit", type=at_least(0), default=0, help="evaluate only the first N held-out problems")
-    p.add_argument("--batch-size", type=at_least(1), default=64)
+    p.add_argument("--limit", type=integer(0), default=0, help="evaluate only the first N held-out problems")
+    p.add_argument("--batch-size", type=integer(1), default=64)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="ray",
         help="ray: Flower's run_simulation; local: ClientApps in this process, one at a time",
     )
-    p.add_argument("--clients", type=at_least(1), help="override the scenario's number of clients")
+    p.add_argument("--clients", type=integer(1), help="override the scenario's number of clients")
     p.add_argument("--out", help="output folder (default runs/sim-TIMESTAMP)")
     p.add_argument(
         "--set",
@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dashboard",
         nargs="?",
-        type=int,
+        type=PORT,
         const=8787,
         metavar="PORT",
         help="serve a live dashboard and /metrics while the run goes on (default port 8787; 0: a free one)",
@@ -373,12 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dashboard", help="serve a run folder's dashboard and /metrics (live or over)")
     p.add_argument("run_dir", help="a run's output folder (it holds events.jsonl)")
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to let other hosts in")
-    p.add_argument("--port", type=int, default=8787)
+    p.add_argument("--port", type=PORT, default=8787)
     p.set_defaults(func=cmd_dashboard)
 
     p = sub.add_parser("patch-store", help="run the patch store (data plane) as its own service")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8800)
+    p.add_argument("--port", type=PORT, default=8800)
     p.add_argument(
         "--secret-file",
         required=True,
@@ -386,9 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--certfile", help="TLS certificate (PEM); with --keyfile serves HTTPS")
     p.add_argument("--keyfile")
-    p.add_argument("--max-object-mb", type=int, default=256)
-    p.add_argument("--max-total-mb", type=int, default=4096, help="a quarter is kept for the coordinator")
-    p.add_argument("--max-node-mb", type=int, default=512, help="what one node's uploads may hold at once")
+    p.add_argument("--max-object-mb", type=integer(1), default=256)
+    p.add_argument(
+        "--max-total-mb", type=integer(1), default=4096, help="a quarter is kept for the coordinator"
+    )
+    p.add_argument(
+        "--max-node-mb", type=integer(1), default=512, help="what one node's uploads may hold at once"
+    )
     p.add_argument(
         "--state-dir", help="keep the volunteers' enrollments here, so a restarted store still knows them"
     )
@@ -419,10 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--certs", default="/certs", help="node/submit: the folder made by `fedrl certs`")
     p.add_argument("--home", default="/var/lib/fedrl/node", help="node/submit: own keys and flwr profile")
     p.add_argument(
-        "--nodes", type=at_least(0), default=3, help="number of SuperNodes (local: 0 with --volunteers)"
+        "--nodes", type=integer(0), default=3, help="number of SuperNodes (local: 0 with --volunteers)"
     )
     p.add_argument("--dir", default="runs/deploy-local", help="certs, logs, state and results go here")
-    p.add_argument("--port", type=int, default=0, help="the SuperLink's port (default: a free one)")
+    p.add_argument("--port", type=PORT, default=0, help="the SuperLink's port (default: a free one)")
     p.add_argument("--timeout", type=float, default=3600.0, help="give up on the run after this many s")
     p.add_argument(
         "--set", nargs="+", action="extend", metavar="KEY=VALUE", help="run config overrides, e.g. versions=8"

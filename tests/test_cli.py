@@ -85,10 +85,14 @@ def test_a_wrong_override_type_is_one_line():
         (["bench", "dg", "--seeds", "0"], "argument --seeds: must be >= 1, got 0"),
         (["bench", "chaos", "--kills", "x"], "argument --kills: expected an integer, got 'x'"),
         (["bench", "scale", "--clients", "10", "0"], "argument --clients: must be >= 1, got 0"),
+        (["dashboard", ".", "--port", "99999"], "argument --port: must be <= 65535, got 99999"),
+        (["sim", "--dashboard", "-1"], "argument --dashboard: must be >= 0, got -1"),
+        (["patch-store", "--secret-file", "s", "--max-node-mb", "0"], "argument --max-node-mb: must be >= 1"),
     ],
 )
-def test_a_count_below_its_minimum_is_refused_not_read_as_the_default(argv, message, capsys):
-    """Before: `--clients 0` ran the default number of clients, `--limit -3` all problems but 3."""
+def test_a_count_or_port_out_of_range_is_refused_not_read_as_the_default(argv, message, capsys):
+    """Before: `--clients 0` ran the default number of clients, `--limit -3` all problems but 3,
+    `--port 99999` ended in a traceback from bind()."""
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fedrl.arguments import at_least
+from fedrl.arguments import integer
 
 
 def _init_worker() -> None:
@@ -20,7 +20,7 @@ def _init_worker() -> None:
 
 def add_workers_argument(parser) -> None:
     """For benchmarks whose cases are independent runs (`run_cases`)."""
-    parser.add_argument("--workers", type=at_least(1), default=2, help="processes running cases side by side")
+    parser.add_argument("--workers", type=integer(1), default=2, help="processes running cases side by side")
 
 
 def run_cases(fn: Callable[[dict], dict], cases: Iterable[dict], workers: int, desc: str) -> list[dict]:

@@ -16,7 +16,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from fedrl.arguments import at_least
+from fedrl.arguments import integer
 from fedrl.bench.common import add_workers_argument, run_cases, write_json
 from fedrl.frictions import Actor, Frictions, StalenessBuffer
 from fedrl.learner import Learner, LearnerConfig, lm_update
@@ -225,11 +225,11 @@ def plot(results: list[dict], path) -> None:
 
 def add_arguments(parser) -> None:
     parser.add_argument(
-        "--steps", type=at_least(1), help="reversal learner steps per run (default 1000; quick 60)"
+        "--steps", type=integer(1), help="reversal learner steps per run (default 1000; quick 60)"
     )
-    parser.add_argument("--seeds", type=at_least(1), help="seeds per (scenario, method) (default 3; quick 1)")
+    parser.add_argument("--seeds", type=integer(1), help="seeds per (scenario, method) (default 3; quick 1)")
     parser.add_argument(
-        "--digits-steps", type=at_least(1), help="digits bandit steps per run (default 3000; quick 200)"
+        "--digits-steps", type=integer(1), help="digits bandit steps per run (default 3000; quick 200)"
     )
     parser.add_argument(
         "--model",

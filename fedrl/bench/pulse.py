@@ -16,7 +16,7 @@ import torch
 import zstandard
 from tqdm import tqdm
 
-from fedrl.arguments import at_least
+from fedrl.arguments import integer
 from fedrl.bench.common import write_json
 from fedrl.learner import Learner, LearnerConfig, lm_update
 from fedrl.lora import LoraSettings, add_lora
@@ -245,7 +245,7 @@ def add_arguments(parser) -> None:
         "--cases", nargs="+", choices=["tiny", "lora", "smollm2"], help="which trajectories (default: all)"
     )
     parser.add_argument(
-        "--smollm2-steps", type=at_least(1), default=24, help="DG steps per lr on SmolLM2 (full mode)"
+        "--smollm2-steps", type=integer(1), default=24, help="DG steps per lr on SmolLM2 (full mode)"
     )
 
 

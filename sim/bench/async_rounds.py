@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from fedrl.arguments import at_least
+from fedrl.arguments import integer
 from fedrl.bench.common import add_workers_argument, run_cases, write_json
 from fedrl.protocol import WIRE_DTYPES
 from fedrl.sim.report import write_report
@@ -38,7 +38,7 @@ def add_arguments(parser) -> None:
         "--target", type=float, default=0.3, help="held-out greedy error to reach (start: 0.69)"
     )
     parser.add_argument("--profile", default="mixed-volunteers", help="profile mix or file")
-    parser.add_argument("--clients", type=at_least(1), help="clients (default 12; quick 6)")
+    parser.add_argument("--clients", type=integer(1), help="clients (default 12; quick 6)")
     parser.add_argument("--budget-s", type=float, help="virtual seconds per strategy (default 300; quick 12)")
     parser.add_argument(
         "--deadline-s",

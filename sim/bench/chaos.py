@@ -33,7 +33,7 @@ import json
 import time
 from pathlib import Path
 
-from fedrl.arguments import at_least
+from fedrl.arguments import integer
 from fedrl.bench.common import add_workers_argument, write_json
 from fedrl.patch import PatchLimits
 from fedrl.sim.attacks import ATTACKS
@@ -59,17 +59,17 @@ HONEST = {"name": "honest", "up_bytes_s": 1e6, "down_bytes_s": 4e6, "latency_s":
 def add_arguments(parser) -> None:
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument(
-        "--clients", type=at_least(1), help="clients, a fifth of them attackers (default 10; quick 5)"
+        "--clients", type=integer(1), help="clients, a fifth of them attackers (default 10; quick 5)"
     )
-    parser.add_argument("--versions", type=at_least(1), help="global versions per run (default 16; quick 6)")
+    parser.add_argument("--versions", type=integer(1), help="global versions per run (default 16; quick 6)")
     parser.add_argument("--rules", nargs="+", choices=list(RULES), help="default: all; quick: default gate")
     parser.add_argument("--attacks", nargs="+", choices=ATTACKS[1:], default=list(ATTACKS[1:]))
-    parser.add_argument("--kills", type=at_least(1), help="coordinator SIGKILLs (default 20; quick 3)")
-    parser.add_argument("--mutations", type=at_least(1), help="fuzzed patches (default 20000; quick 2000)")
+    parser.add_argument("--kills", type=integer(1), help="coordinator SIGKILLs (default 20; quick 3)")
+    parser.add_argument("--mutations", type=integer(1), help="fuzzed patches (default 20000; quick 2000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--seeds",
-        type=at_least(1),
+        type=integer(1),
         help="byzantine runs per rule and attack, with seeds SEED, SEED+1, ... (default 3; quick 1): "
         "one eval problem moves a run's kept improvement by about 1.5%%",
     )

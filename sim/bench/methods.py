@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedrl.arguments import at_least
+from fedrl.arguments import integer
 from fedrl.bench.common import add_workers_argument, write_json
 from fedrl.sim.bench.async_rounds import (
     add_set_argument,
@@ -86,8 +86,8 @@ def samples_to_target(curve: list[tuple[float, int, float]], target: float) -> i
 
 def add_arguments(parser) -> None:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--seeds", type=at_least(1), help="seeds per method (default 3; quick 1)")
-    parser.add_argument("--clients", type=at_least(1), help="clients (default 8; quick 4)")
+    parser.add_argument("--seeds", type=integer(1), help="seeds per method (default 3; quick 1)")
+    parser.add_argument("--clients", type=integer(1), help="clients (default 8; quick 4)")
     parser.add_argument("--budget-s", type=float, help="virtual seconds per run (default 60; quick 10)")
     parser.add_argument("--target", type=float, default=0.15, help="held-out greedy error to reach")
     parser.add_argument("--buggy", type=float, default=0.25, help="share of clients with buggy actors")
@@ -95,7 +95,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--stale", type=float, default=0.0, help="share of clients whose actor lags")
     parser.add_argument(
         "--actor-staleness",
-        type=at_least(0),
+        type=integer(0),
         default=8,
         help="a stale client's actor samples with its weights of up to this many local steps ago (uniform)",
     )

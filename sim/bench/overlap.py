@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from fedrl.arguments import at_least
+from fedrl.arguments import integer
 from fedrl.bench.common import write_json
 from fedrl.clients.block_worker import ClientState, Pending, handle
 from fedrl.clients.model_cache import ModelCache
@@ -154,9 +154,9 @@ def _case(mode: str, ratio: float, sequential: float, overlapped: float, compute
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--steps", type=at_least(1), help="local DG steps per round (default 12; quick 6)")
+    parser.add_argument("--steps", type=integer(1), help="local DG steps per round (default 12; quick 6)")
     parser.add_argument(
-        "--repeats", type=at_least(1), help="rounds per case, the fastest counts (default 2; quick 1)"
+        "--repeats", type=integer(1), help="rounds per case, the fastest counts (default 2; quick 1)"
     )
     parser.add_argument(
         "--netns",

@@ -17,13 +17,13 @@ import resource
 import tempfile
 import time
 
-from fedrl.arguments import at_least
+from fedrl.arguments import integer
 from fedrl.bench.common import write_json
 
 
 def add_arguments(parser) -> None:
     parser.add_argument(
-        "--clients", type=at_least(1), nargs="+", help="cases (default 10 100 1000; quick 10 100)"
+        "--clients", type=integer(1), nargs="+", help="cases (default 10 100 1000; quick 10 100)"
     )
     parser.add_argument(
         "--messages-per-client", type=float, default=2.0, help="work per case, in messages per client"
