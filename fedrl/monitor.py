@@ -118,12 +118,15 @@ def serve_run_dir(run_dir: Path, host: str = "127.0.0.1", port: int = 8787) -> N
     stop = threading.Event()
     follower = threading.Thread(target=follow, args=(path, log, stop), name="follow-events", daemon=True)
     follower.start()
-    print(
-        f"dashboard for {run_dir}: http://{host}:{port}/dashboard  (metrics: /metrics; Ctrl-C to stop)",
-        flush=True,
-    )
-    try:
-        web.run_app(make_monitor_app(log, metrics), host=host, port=port, print=None, shutdown_timeout=3.0)
+    line = f"dashboard for {run_dir}: http://{host}:{port}/dashboard  (metrics: /metrics; Ctrl-C to stop)"
+    try:  # aiohttp calls `print` once it listens: no URL is shown for a port it could not take
+        web.run_app(
+            make_monitor_app(log, metrics),
+            host=host,
+            port=port,
+            print=lambda _: print(line, flush=True),
+            shutdown_timeout=3.0,
+        )
     finally:
         stop.set()
         follower.join(5)

@@ -461,5 +461,9 @@ def serve(
     if state_dir:
         state.enrollments_file = Path(state_dir) / ENROLLMENTS_FILE
         state.load_enrollments()
-    print(json.dumps({"patch_store": f"{'https' if certfile else 'http'}://{host}:{port}"}), flush=True)
-    web.run_app(make_app(state), host=host, port=port, ssl_context=tls, print=None)
+    line = json.dumps({"patch_store": f"{'https' if certfile else 'http'}://{host}:{port}"})
+
+    def announce(_aiohttp_says: str) -> None:  # called once it listens: the line means it is up
+        print(line, flush=True)
+
+    web.run_app(make_app(state), host=host, port=port, ssl_context=tls, print=announce)

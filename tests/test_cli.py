@@ -1,4 +1,5 @@
 import json
+import socket
 import subprocess
 import sys
 
@@ -102,3 +103,21 @@ def test_a_local_deployment_without_nodes_or_volunteers_is_refused_before_it_sta
     assert main(["deploy", "local", "--nodes", "0", "--dir", str(tmp_path)]) == 2
     assert "--nodes 0 leaves the run no node to train on" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing was started or written
+
+
+def test_a_server_on_a_taken_port_announces_nothing_and_says_why(tmp_path):
+    """Before: the store printed its URL (what a launcher waits for) and the dashboard its link,
+    then failed to bind."""
+    (tmp_path / "secret").write_bytes(b"s" * 64)
+    (tmp_path / "events.jsonl").write_text("")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for argv in (
+            ["patch-store", "--secret-file", str(tmp_path / "secret"), "--port", port],
+            ["dashboard", str(tmp_path), "--port", port],
+        ):
+            out = run_fedrl(*argv, timeout=60)
+            assert out.returncode == 2 and out.stdout == "", (argv, out.stdout)
+            assert "address already in use" in out.stderr and "Traceback" not in out.stderr, out.stderr
