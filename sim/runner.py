@@ -156,7 +156,7 @@ def main(args) -> int:
         )
         print(
             f"wrote {run_out / 'report.html'} ({', '.join(p.name for p in files)}) in "
-            f"{time.perf_counter() - start:.0f} s"
+            f"{time.perf_counter() - start:.0f} s; the adapter: fedrl eval --adapter {summary['adapter_dir']}"
         )
         if args.dashboard is not None:
             print(f"the dashboard closed with the run; `fedrl dashboard {run_out}` serves it again")
