@@ -6,23 +6,31 @@ import argparse
 from collections.abc import Callable
 
 
-def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    """An integer option within [minimum, maximum]: a count of clients, seeds or steps, a port.
-    Before, `--clients 0` fell through `args.clients or default` and silently ran the default,
-    and `--port 99999` ended in a traceback from bind()."""
+def number(cast: type, minimum: float, maximum: float | None = None) -> Callable[[str], float]:
+    """An option of type `cast` within [minimum, maximum] (NaN is not). Before, `--clients 0` fell
+    through `args.clients or default` and silently ran the default, `--port 99999` ended in a
+    traceback from bind(), and `bench methods --buggy 2` ran as if every client were buggy."""
 
-    def parse(text: str) -> int:
+    def parse(text: str):
         try:
-            value = int(text)
+            value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if cast is int else 'a number'}, got {text!r}"
+            ) from None
+        if not minimum <= value:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        if maximum is not None and value > maximum:
+        if maximum is not None and not value <= maximum:
             raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
         return value
 
     return parse
 
 
+def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    return number(int, minimum, maximum)
+
+
 PORT = integer(0, 65535)  # 0: any free port
+SHARE = number(float, 0.0, 1.0)  # a share of the clients
+SECONDS = number(float, 0.0)

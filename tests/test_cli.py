@@ -87,6 +87,10 @@ def test_a_wrong_override_type_is_one_line():
         (["bench", "chaos", "--kills", "x"], "argument --kills: expected an integer, got 'x'"),
         (["bench", "scale", "--clients", "10", "0"], "argument --clients: must be >= 1, got 0"),
         (["dashboard", ".", "--port", "99999"], "argument --port: must be <= 65535, got 99999"),
+        (["bench", "methods", "--buggy", "2"], "argument --buggy: must be <= 1.0, got 2.0"),
+        (["bench", "methods", "--mismatched", "nan"], "argument --mismatched: must be >= 0.0, got nan"),
+        (["bench", "chaos", "--step-s", "-1"], "argument --step-s: must be >= 0.0, got -1.0"),
+        (["bench", "pulse", "--level", "99"], "argument --level: must be <= 22, got 99"),
         (["sim", "--dashboard", "-1"], "argument --dashboard: must be >= 0, got -1"),
         (["patch-store", "--secret-file", "s", "--max-node-mb", "0"], "argument --max-node-mb: must be >= 1"),
     ],
@@ -97,6 +101,12 @@ def test_a_count_or_port_out_of_range_is_refused_not_read_as_the_default(argv, m
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_shares_of_faulty_clients_over_one_are_refused(capsys):
+    """Before: `--buggy 0.6 --noisy 0.6` made 0.6 of the clients buggy and the rest noisy."""
+    assert main(["bench", "methods", "--quick", "--buggy", "0.6", "--noisy", "0.6"]) == 2
+    assert "shares of buggy, noisy, stale and mismatched clients add up to 1.2 > 1" in capsys.readouterr().err
 
 
 def test_a_local_deployment_without_nodes_or_volunteers_is_refused_before_it_starts(tmp_path, capsys):

@@ -240,7 +240,7 @@ def smollm2_cases(lrs, ks, steps, level, chains: list, layers=range(0, 6)) -> li
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--level", type=int, default=1, help="zstd level")
+    parser.add_argument("--level", type=integer(1, 22), default=1, help="zstd level (1-22)")
     parser.add_argument(
         "--cases", nargs="+", choices=["tiny", "lora", "smollm2"], help="which trajectories (default: all)"
     )

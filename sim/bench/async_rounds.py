@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from fedrl.arguments import integer
+from fedrl.arguments import SECONDS, integer
 from fedrl.bench.common import add_workers_argument, run_cases, write_json
 from fedrl.protocol import WIRE_DTYPES
 from fedrl.sim.report import write_report
@@ -97,7 +97,7 @@ def ratio_to_reference(ref: float | None, ref_bound: float, value: float | None)
 def add_step_s_argument(parser) -> None:
     parser.add_argument(
         "--step-s",
-        type=float,
+        type=SECONDS,
         default=0.0,
         help="seconds of one learner step at speed 1 (0: measured once, in the first run); fix it "
         "to compare invocations: the measurement follows the machine's load",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedrl.arguments import integer
+from fedrl.arguments import SHARE, integer
 from fedrl.bench.common import add_workers_argument, write_json
 from fedrl.sim.bench.async_rounds import (
     add_set_argument,
@@ -40,6 +40,9 @@ METHODS = ("dg", "ppo", "reinforce")
 
 def volunteer_frictions(args) -> list[tuple[str, float, dict]]:
     """(label, share of clients, profile settings) per kind of faulty volunteer, from the flags."""
+    total = args.buggy + args.noisy + args.stale + args.mismatched
+    if total > 1:  # the last kinds would get fewer clients than asked, or none, without a word
+        raise ValueError(f"the shares of buggy, noisy, stale and mismatched clients add up to {total:g} > 1")
     return [
         ("buggy", args.buggy, {"bug_prob": args.strength}),
         ("noisy", args.noisy, {"reward_noise_prob": args.strength}),
@@ -90,9 +93,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--clients", type=integer(1), help="clients (default 8; quick 4)")
     parser.add_argument("--budget-s", type=float, help="virtual seconds per run (default 60; quick 10)")
     parser.add_argument("--target", type=float, default=0.15, help="held-out greedy error to reach")
-    parser.add_argument("--buggy", type=float, default=0.25, help="share of clients with buggy actors")
-    parser.add_argument("--noisy", type=float, default=0.25, help="share of clients with noisy rewards")
-    parser.add_argument("--stale", type=float, default=0.0, help="share of clients whose actor lags")
+    parser.add_argument("--buggy", type=SHARE, default=0.25, help="share of clients with buggy actors")
+    parser.add_argument("--noisy", type=SHARE, default=0.25, help="share of clients with noisy rewards")
+    parser.add_argument("--stale", type=SHARE, default=0.0, help="share of clients whose actor lags")
     parser.add_argument(
         "--actor-staleness",
         type=integer(0),
@@ -106,7 +109,7 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--mismatched",
-        type=float,
+        type=SHARE,
         default=0.0,
         help="share of clients whose inference does not match training",
     )

@@ -17,7 +17,7 @@ import resource
 import tempfile
 import time
 
-from fedrl.arguments import integer
+from fedrl.arguments import SECONDS, integer
 from fedrl.bench.common import write_json
 
 
@@ -30,7 +30,7 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--step-s",
-        type=float,
+        type=SECONDS,
         default=0.0,
         help="virtual seconds per local step (0: the default scenario's step, measured here)",
     )
