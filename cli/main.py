@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedrl.arguments import PORT, integer
+from fedrl.arguments import PORT, future_time, integer, number
 
 
 def cmd_models(args) -> int:
@@ -237,7 +237,6 @@ def cmd_approve(args) -> int:
 
 
 def cmd_volunteer(args) -> int:
-    import datetime
 
     from fedrl.volunteer.home import VolunteerHome, resolve_invite
     from fedrl.volunteer.preflight import failed, preflight_table, run_preflight
@@ -260,11 +259,7 @@ def cmd_volunteer(args) -> int:
         if args.action == "probe" and not failed(checks):
             print(probe_table(run_probe(invite, str(home.ca_file), limits)))
         return 1 if failed(checks) else 0
-    until = 0.0
-    if args.hours:
-        until = time.time() + args.hours * 3600
-    elif args.until:
-        until = datetime.datetime.fromisoformat(args.until).timestamp()
+    until = time.time() + args.hours * 3600 if args.hours else (args.until or 0.0)
     return join(invite, limits, args.home, args.on_exit, until, approval_timeout_s=args.approval_timeout)
 
 
@@ -482,15 +477,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--download-kbps", type=float, default=0.0, help="cap on downloads; 0: none")
     p.add_argument("--round-s", type=float, default=60.0, help="the longest local compute of one round")
     when = p.add_mutually_exclusive_group()
-    when.add_argument("--hours", type=float, default=0.0, help="leave cleanly after this many hours")
-    when.add_argument("--until", help="leave cleanly at this time (ISO 8601, e.g. 2026-11-23T07:00)")
+    when.add_argument(
+        "--hours", type=number(float, 0.0), default=0.0, help="leave cleanly after this many hours"
+    )
+    when.add_argument(
+        "--until", type=future_time, help="leave cleanly at this time (ISO 8601, e.g. 2026-11-23T07:00)"
+    )
     p.add_argument(
         "--on-exit",
         choices=["flush", "drop"],
         default="flush",
         help="on Ctrl-C: finish the round and hand in its delta (flush), or abandon it (drop)",
     )
-    p.add_argument("--approval-timeout", type=float, default=600.0, help="seconds to wait for approval")
+    p.add_argument(
+        "--approval-timeout", type=number(float, 1.0), default=600.0, help="seconds to wait for approval"
+    )
     p.set_defaults(func=cmd_volunteer)
 
     listing = "; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import time
 from collections.abc import Callable
 
 
@@ -34,3 +36,16 @@ def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
 PORT = integer(0, 65535)  # 0: any free port
 SHARE = number(float, 0.0, 1.0)  # a share of the clients
 SECONDS = number(float, 0.0)
+
+
+def future_time(text: str) -> float:
+    """An ISO 8601 time still to come, as a timestamp (a past one would end the work at once)."""
+    try:
+        when = datetime.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an ISO 8601 time such as 2026-11-23T07:00, got {text!r}"
+        ) from None
+    if when <= time.time():
+        raise argparse.ArgumentTypeError(f"{text} is in the past")
+    return when

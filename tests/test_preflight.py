@@ -119,3 +119,18 @@ def test_the_cli_prints_the_preflight_and_fails_on_an_unreachable_store(tmp_path
     assert out.returncode == 1, out.stdout + out.stderr
     lines = {line.split()[1]: line.split()[0] for line in out.stdout.splitlines() if len(line.split()) > 1}
     assert lines["python"] == PASS and lines["patch"] == FAIL and lines["SuperLink"] == FAIL, out.stdout
+
+
+@pytest.mark.parametrize(
+    "limits, message",
+    [
+        (dict(upload_kbps=float("nan")), "limits must be finite numbers >= 0"),
+        (dict(max_memory_mb=-1.0), "limits must be finite numbers >= 0"),
+        (dict(round_s=float("nan")), "round_s must be a finite number > 0, got nan"),
+        (dict(round_s=0.0), "round_s must be a finite number > 0, got 0.0"),
+    ],
+)
+def test_limits_that_bound_nothing_are_refused(limits, message):
+    """Before: NaN passed every `< 0` check, so `--round-s nan` reached the probe."""
+    with pytest.raises(ValueError, match=message):
+        Limits(**limits)

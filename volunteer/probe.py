@@ -40,10 +40,11 @@ class Limits:
     round_s: float = 60.0  # the longest local compute of one round it wants to give
 
     def __post_init__(self):
-        if min(self.max_cpu, self.max_memory_mb, self.upload_kbps, self.download_kbps) < 0:
-            raise ValueError("limits must be >= 0 (0: no limit)")
-        if self.round_s <= 0:
-            raise ValueError("round_s must be > 0")
+        limits = (self.max_cpu, self.max_memory_mb, self.upload_kbps, self.download_kbps)
+        if not all(0 <= x < float("inf") for x in limits):  # NaN fails too
+            raise ValueError("limits must be finite numbers >= 0 (0: no limit)")
+        if not 0 < self.round_s < float("inf"):
+            raise ValueError(f"round_s must be a finite number > 0, got {self.round_s}")
 
     def threads(self) -> int:
         cores = os.cpu_count() or 1
