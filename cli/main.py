@@ -237,7 +237,6 @@ def cmd_approve(args) -> int:
 
 
 def cmd_volunteer(args) -> int:
-
     from fedrl.volunteer.home import VolunteerHome, resolve_invite
     from fedrl.volunteer.preflight import failed, preflight_table, run_preflight
     from fedrl.volunteer.probe import Limits, probe_table, run_probe

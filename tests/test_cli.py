@@ -1,3 +1,4 @@
+import argparse
 import json
 import socket
 import subprocess
@@ -110,6 +111,12 @@ def test_shares_of_faulty_clients_over_one_are_refused(capsys):
     """Before: `--buggy 0.6 --noisy 0.6` made 0.6 of the clients buggy and the rest noisy."""
     assert main(["bench", "methods", "--quick", "--buggy", "0.6", "--noisy", "0.6"]) == 2
     assert "shares of buggy, noisy, stale and mismatched clients add up to 1.2 > 1" in capsys.readouterr().err
+    from fedrl.sim.bench.methods import volunteer_frictions
+
+    shares = dict(buggy=0.05, noisy=0.55, stale=0.3, mismatched=0.1)  # in floats, 1.0000000000000002
+    settings = dict(strength=0.3, actor_staleness=8, lag_across_rounds=False, logit_noise=0.5)
+    frictions = volunteer_frictions(argparse.Namespace(**shares, **settings))
+    assert [share for _, share, _ in frictions] == list(shares.values())
 
 
 def test_a_local_deployment_without_nodes_or_volunteers_is_refused_before_it_starts(tmp_path, capsys):

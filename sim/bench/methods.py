@@ -41,7 +41,7 @@ METHODS = ("dg", "ppo", "reinforce")
 def volunteer_frictions(args) -> list[tuple[str, float, dict]]:
     """(label, share of clients, profile settings) per kind of faulty volunteer, from the flags."""
     total = args.buggy + args.noisy + args.stale + args.mismatched
-    if total > 1:  # the last kinds would get fewer clients than asked, or none, without a word
+    if total > 1 + 1e-9:  # the last kinds would get fewer clients than asked, or none, without a word
         raise ValueError(f"the shares of buggy, noisy, stale and mismatched clients add up to {total:g} > 1")
     return [
         ("buggy", args.buggy, {"bug_prob": args.strength}),
