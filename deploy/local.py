@@ -92,7 +92,7 @@ class LocalDeployment:
         self.root, self.host, self.num_nodes = Path(root).resolve(), host, nodes
         self.certs, self.logs, self.state = self.root / "certs", self.root / "logs", self.root / "state"
         self.flwr_home, self.run_dir = self.root / "flwr", self.root / "run"
-        self.superlink_port = free_port(host, port)  # a taken --port fails before anything starts
+        self.superlink_port = port or free_port(host)
         self.store_port = free_port(host)
         self.node_ports: dict[int, int] = {}  # SuperNode i's own Runtime API port, picked on first start
         self.procs: dict[str, subprocess.Popen] = {}

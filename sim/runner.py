@@ -124,8 +124,7 @@ def main(args) -> int:
     out = Path(args.out or f"runs/sim-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"scenario {scenario.name}: {scenario.description} ({clients} clients, seeds {seeds})")
     if args.dashboard is not None:
-        # a taken port fails here, before Ray starts (18 s later, before)
-        base = base.replace(monitor_port=free_port(base.monitor_host, args.dashboard))
+        base = base.replace(monitor_port=args.dashboard or free_port(base.monitor_host))
         host = "127.0.0.1" if base.monitor_host == "0.0.0.0" else base.monitor_host
         url = f"http://{host}:{base.monitor_port}"
         print(f"live dashboard: {url}/dashboard  metrics: {url}/metrics", flush=True)
