@@ -28,7 +28,7 @@ from fedrl.certs import make_ca, make_node_key, make_server_cert
 from fedrl.credentials import load_or_create_secret
 from fedrl.deploy.federation import DeployError, Federation, app_config, run_config, tool
 from fedrl.invite import Invite, make_invite
-from fedrl.ports import free_port
+from fedrl.ports import check_port_free, free_port
 from fedrl.protocol import LearnerSettings
 
 INVITE_LEARNER_KEYS = tuple(LearnerSettings.model_fields)
@@ -39,17 +39,6 @@ def learner_settings(run_overrides: dict) -> dict:
     overrides (dashes or underscores; any run config key, checked, the learner ones kept)."""
     config = {k.replace("-", "_"): v for k, v in (app_config() | run_config(run_overrides)).items()}
     return {k: config[k] for k in INVITE_LEARNER_KEYS}
-
-
-def check_port_free(host: str, port: int, what: str) -> None:
-    """DeployError when something listens on the port (connections of a stopped server that
-    linger in TIME_WAIT do not count: servers bind with SO_REUSEADDR, so does this check)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as err:
-            raise DeployError(f"{what}: port {host}:{port} is already in use ({err.strerror})") from None
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -128,7 +117,10 @@ class LocalDeployment:
         if name in self.procs and self.procs[name].poll() is None:
             raise DeployError(f"{name} is already running (pid {self.procs[name].pid})")
         if port is not None:
-            check_port_free(self.host, port, name)
+            try:
+                check_port_free(self.host, port)
+            except OSError as err:
+                raise DeployError(f"{name}: {err}") from None
         log = open(self.logs / f"{name}.log", "ab")
         proc = subprocess.Popen(
             argv,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fedrl.ports import free_port
+from fedrl.ports import check_port_free, free_port
 from fedrl.sim.simulated_server import SimConfig, split_config
 from fedrl.strategies.run_config import RunConfig
 
@@ -124,6 +124,8 @@ def main(args) -> int:
     out = Path(args.out or f"runs/sim-{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"scenario {scenario.name}: {scenario.description} ({clients} clients, seeds {seeds})")
     if args.dashboard is not None:
+        if args.dashboard:  # taken: refused here, not once Ray is up (18 s in) after the link is printed
+            check_port_free(base.monitor_host, args.dashboard)
         base = base.replace(monitor_port=args.dashboard or free_port(base.monitor_host))
         host = "127.0.0.1" if base.monitor_host == "0.0.0.0" else base.monitor_host
         url = f"http://{host}:{base.monitor_port}"

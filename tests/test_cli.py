@@ -141,3 +141,8 @@ def test_a_server_on_a_taken_port_announces_nothing_and_says_why(tmp_path):
             out = run_fedrl(*argv, timeout=60)
             assert out.returncode == 2 and out.stdout == "", (argv, out.stdout)
             assert "address already in use" in out.stderr and "Traceback" not in out.stderr, out.stderr
+        # the simulation starts Ray before its dashboard: it failed 18 s in, its link already printed
+        out = run_fedrl("sim", "--dashboard", port, "--out", str(tmp_path / "sim"), timeout=60)
+        assert out.returncode == 2 and "live dashboard" not in out.stdout, (out.stdout, out.stderr)
+        assert f"port 127.0.0.1:{port}: Address already in use" in out.stderr, out.stderr
+        assert not (tmp_path / "sim").exists()

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives import serialization
 from fedrl.certs import make_deployment_credentials, make_node_key, make_server_cert
 from fedrl.cli.main import build_parser
 from fedrl.deploy.federation import DeployError, Federation, app_config, run_config
-from fedrl.deploy.local import check_port_free
+from fedrl.ports import check_port_free
 from fedrl.strategies.run_config import RunConfig
 
 
@@ -34,8 +34,8 @@ def test_a_busy_port_and_a_missing_ca_are_clear_errors(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        with pytest.raises(DeployError, match="already in use"):
-            check_port_free("127.0.0.1", s.getsockname()[1], "superlink")
+        with pytest.raises(OSError, match=f"port 127.0.0.1:{s.getsockname()[1]}: Address already in use"):
+            check_port_free("127.0.0.1", s.getsockname()[1])
     with pytest.raises(DeployError, match="not found"):
         Federation(tmp_path / "home", "127.0.0.1:1", tmp_path / "ca.pem")
 
