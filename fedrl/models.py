@@ -203,18 +203,26 @@ def smollm2_dir() -> Path:
     return publish_dir(build, cache_dir() / "smollm2-135m")
 
 
+def check_model_spec(spec: str) -> None:
+    """ValueError unless `load_model` knows `spec`: a run checks it before it starts any work."""
+    from fedrl.base_checkpoint import BASES
+
+    if spec in TINY_MODELS or spec in BASES or spec == "smollm2-135m" or Path(spec).is_dir():
+        return
+    raise ValueError(
+        f"unknown model {spec!r}: use {', '.join([*TINY_MODELS, *BASES])}, "
+        "smollm2-135m or a local model directory"
+    )
+
+
 def load_model(spec: str, seed: int = 0) -> LoadedModel:
     from fedrl.base_checkpoint import BASES, base_dir
 
+    check_model_spec(spec)
     if spec in TINY_MODELS:
         return TINY_MODELS[spec](seed)
     if spec in BASES:
         return load_local(base_dir(BASES[spec]), spec)
     if spec == "smollm2-135m":
         return load_local(smollm2_dir(), spec)
-    if Path(spec).is_dir():
-        return load_local(spec)
-    raise ValueError(
-        f"unknown model {spec!r}: use {', '.join([*TINY_MODELS, *BASES])}, "
-        "smollm2-135m or a local model directory"
-    )
+    return load_local(spec)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
+from fedrl.models import check_model_spec
 from fedrl.protocol import MODES, check_learner, check_upload_density, check_wire_dtype
 from fedrl.schema import Schema
 from fedrl.strategies.aggregation import AggregationConfig
@@ -96,11 +98,18 @@ class RunConfig(Schema):
     monitor_port: int = -1  # serve /metrics and /dashboard on this port (0: any free one); -1: off
     monitor_host: str = "127.0.0.1"  # 0.0.0.0 to let Prometheus or a browser on another host in
 
+    @field_validator("task_params", mode="before")
+    @classmethod
+    def _task_params_as_text(cls, value):
+        # `--set task_params='{"length": 6}'` and a TOML inline table arrive parsed; instructions carry text
+        return json.dumps(value) if isinstance(value, dict) else value
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         check_learner(self)
+        check_model_spec(self.model)  # a typo used to fail once the coordinator loaded it, 17 s in
         self.aggregation()  # its own checks: alpha, max_staleness, the clip and refuse multiples, robust
         self.block_scheduler()  # and its: schedule, 1 <= min_steps <= base_steps <= max_steps, seed
         at_least_one = ["versions", "buffer_size", "min_nodes", "eval_every", "anchor_every", "stall_replies"]

@@ -129,6 +129,11 @@ def test_run_config_from_flower_style_keys_and_errors():
         with pytest.raises(SchemaError, match=message):
             RunConfig.from_mapping(bad)
     assert RunConfig.from_mapping({"robust": "median", "alpha": 0.0}).aggregation().robust == "median"
+    # a model spec with a typo failed once the coordinator loaded it (17 s into `fedrl sim`)
+    with pytest.raises(SchemaError, match="unknown model 'tiny-bsae': use tiny, tiny-gpt, tiny-base"):
+        RunConfig.from_mapping({"model": "tiny-bsae"})
+    # task parameters as `--set task_params='{...}'` or a TOML inline table give them: parsed, not text
+    assert RunConfig.from_mapping({"task-params": {"length": 6}}).task_params == '{"length": 6}'
 
 
 LEARNER_SETTINGS_THAT_CANNOT_TRAIN = [
@@ -142,6 +147,10 @@ LEARNER_SETTINGS_THAT_CANNOT_TRAIN = [
     ({"method": "grpo"}, "method must be one of"),
     ({"task": "chess"}, "unknown task 'chess'"),
     ({"micro_batch": -1}, "micro_batch must be >= 0"),
+    # the task is built from its parameters: these failed only once the coordinator made it, 17 s in
+    ({"task_params": '{"length": -1}'}, "length must be >= 1, got -1"),
+    ({"task_params": '{"lenght": 8}'}, "bad parameters for task 'reversal': .*'lenght'"),
+    ({"task_params": "[8]"}, "task_params must be a JSON object"),
 ]
 
 
