@@ -142,6 +142,7 @@ def cmd_deploy(args) -> int:
     import signal
 
     from fedrl.deploy.local import LocalDeployment
+    from fedrl.live_line import LiveLine
     from fedrl.sim.runner import parse_overrides
 
     overrides = parse_overrides(args.set or [])
@@ -171,13 +172,16 @@ def cmd_deploy(args) -> int:
         run_id = deployment.submit(**overrides)
         checkpoints = deployment.run_dir / "checkpoints"
 
+        line = LiveLine()
+
         def status_line(status: str) -> None:
             saved = sorted(checkpoints.glob("ckpt-*.json"))
             latest = f"v{int(saved[-1].stem.removeprefix('ckpt-'))}" if saved else "none yet"
-            print(f"\rrun {run_id}: {status}, last checkpoint {latest}   ", end="", flush=True)
+            line.show(f"run {run_id}: {status}, last checkpoint {latest}")
 
         status = deployment.federation.wait_run(run_id, args.timeout, status_line)
-        print(f"\rrun {run_id}: {status}" + " " * 30)
+        line.show(f"run {run_id}: {status}")
+        line.done()
         summary = deployment.summary()
         print(
             f"held-out error {summary['initial_eval']:.3f} -> {summary['final_eval']:.3f} in "

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fake_grid import FakeGrid, at_protocol, small_config
-from rich.console import Console
 
 from fedrl.certs import make_ca, make_node_key
 from fedrl.clients.block_worker import ClientState, Pending
@@ -31,7 +30,7 @@ from fedrl.schema import PROTOCOL
 from fedrl.store_client import PatchStoreClient, StoreError
 from fedrl.strategies.coordinator import run_coordinator
 from fedrl.strategies.scheduler import BlockScheduler
-from fedrl.volunteer.session import StatusLine, print_status
+from fedrl.volunteer.session import print_status, status_text
 
 LEARNER = dict(
     model="tiny",
@@ -315,12 +314,12 @@ def test_a_round_that_trains_nothing_keeps_the_last_reward_and_step_time_and_mem
     status = read_json(tmp_path / STATUS)
     assert (status["reward"], status["step_s"], status["rounds"], status["version"]) == (0.75, 0.5, 1, 2)
     assert status["prompts"] == 4 and status["memory_retries"] == 0
-    assert "out of memory" not in StatusLine(Console()).text(7, status)
+    assert "out of memory" not in status_text(7, status)
     # a round that ran out of memory and went on with 2 prompts a step: counted and shown
     record_status(str(tmp_path), SimpleNamespace(version=3, prompts=4), report(2, 0.5, 2), holds_delta=True)
     status = read_json(tmp_path / STATUS)
     assert status["prompts"] == 2 and status["memory_retries"] == 1
-    assert "out of memory 1x: 2 prompts a step" in StatusLine(Console()).text(7, status)
+    assert "out of memory 1x: 2 prompts a step" in status_text(7, status)
 
 
 def test_an_instruction_of_another_fedrl_version_is_refused_and_shown_until_a_round_goes_through(tmp_path):
@@ -343,12 +342,12 @@ def test_an_instruction_of_another_fedrl_version_is_refused_and_shown_until_a_ro
     said = f"the peer speaks fedrl protocol {PROTOCOL + 1}, this fedrl protocol {PROTOCOL}"
     assert reply.has_error() and said in reply.error.reason
     status = read_json(home.state_dir / STATUS)
-    assert said in status["error"] and said in StatusLine(Console()).text(7, status)
+    assert said in status["error"] and said in status_text(7, status)
     out = io.StringIO()
     assert print_status(home, out) == 0 and said in out.getvalue()
     record_status(str(home.state_dir), SimpleNamespace(version=1, prompts=4), report(2, 0.5), False)
     status = read_json(home.state_dir / STATUS)
-    assert status["error"] == "" and "refused" not in StatusLine(Console()).text(7, status)
+    assert status["error"] == "" and "refused" not in status_text(7, status)
     out = io.StringIO()
     assert print_status(home, out) == 0 and "error" not in out.getvalue()
 

@@ -34,6 +34,7 @@ from rich.console import Console
 from fedrl.deploy.federation import flwr_env, tool
 from fedrl.deploy.local import stop_groups
 from fedrl.invite import Invite
+from fedrl.live_line import LiveLine
 from fedrl.node_files import (
     APPROVED,
     LEAVE,
@@ -337,7 +338,7 @@ class Session:
         return code
 
     def serve(self, crashed_before: bool) -> int:
-        line = StatusLine(self.console)
+        line = LiveLine(self.console)
         connected_once, restarts, next_memory_check = False, 0, 0.0
         self.start_node()
         while True:
@@ -358,7 +359,7 @@ class Session:
                 self.node_id, connected_once = int(found.group(1)), True
                 self.say(f"connected to {self.invite.superlink} as node {self.node_id}")
             status = self.status()
-            line.show(self.node_id, status)
+            line.show(status_text(self.node_id, status))
             if self.leave_at is not None and self.left(status, log):
                 line.done()
                 said = "the coordinator said goodbye" if status.get("acknowledged") else "no goodbye came"
@@ -398,43 +399,23 @@ class Session:
         return None
 
 
-class StatusLine:
-    """One live line on a terminal (rich); elsewhere a line whenever something changes."""
-
-    def __init__(self, console: Console):
-        self.console, self.last = console, ""
-
-    def text(self, node_id, s: dict) -> str:
-        if node_id is None:
-            return "connecting ..."
-        if not s:
-            return f"node {node_id} | connected | waiting for work"
-        kb = lambda n: f"{n / 1000:,.0f} kB"  # noqa: E731
-        g = s.get
-        memory = f" | out of memory {g('memory_retries')}x: {g('prompts')} prompts a step"
-        return (
-            f"node {node_id} | {g('phase', '?')} | v{g('version', '?')} held v{g('synced_version', '?')}"
-            f" staleness {g('staleness', 0)} | reward {g('reward', 0):.3f} | rounds {g('rounds', 0)}"
-            f" | up {kb(g('bytes_up', 0))} down {kb(g('bytes_down', 0))}"
-            f" | {g('link_bytes_per_s', 0) / 1000:,.1f} kB/s"
-            + (memory if g("memory_retries") else "")
-            + (f" | last message refused or failed: {g('error')}" if g("error") else "")
-        )
-
-    def show(self, node_id, status: dict) -> None:
-        text = self.text(node_id, status)
-        if text == self.last:
-            return
-        self.last = text
-        if self.console.is_terminal:
-            self.console.file.write("\r\033[K" + text)
-            self.console.file.flush()
-        else:
-            self.console.print(text)
-
-    def done(self) -> None:
-        if self.console.is_terminal:
-            self.console.file.write("\n")
+def status_text(node_id, s: dict) -> str:
+    """A node's status in one line: its phase, versions, reward and traffic."""
+    if node_id is None:
+        return "connecting ..."
+    if not s:
+        return f"node {node_id} | connected | waiting for work"
+    kb = lambda n: f"{n / 1000:,.0f} kB"  # noqa: E731
+    g = s.get
+    memory = f" | out of memory {g('memory_retries')}x: {g('prompts')} prompts a step"
+    return (
+        f"node {node_id} | {g('phase', '?')} | v{g('version', '?')} held v{g('synced_version', '?')}"
+        f" staleness {g('staleness', 0)} | reward {g('reward', 0):.3f} | rounds {g('rounds', 0)}"
+        f" | up {kb(g('bytes_up', 0))} down {kb(g('bytes_down', 0))}"
+        f" | {g('link_bytes_per_s', 0) / 1000:,.1f} kB/s"
+        + (memory if g("memory_retries") else "")
+        + (f" | last message refused or failed: {g('error')}" if g("error") else "")
+    )
 
 
 def join(
