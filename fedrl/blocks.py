@@ -26,6 +26,19 @@ def layer_index(name: str) -> int:
 ALL_BLOCKS = -1
 
 
+def adapter_difference(got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> str:
+    """The first way `got` is not `expected`'s tensors (a name, a shape or a dtype), in words; ""
+    when it is: what makes a checkpoint or an upload belong to another adapter."""
+    unmatched = sorted(set(got) ^ set(expected))
+    if unmatched:
+        return f"{unmatched[0]} is {'not expected' if unmatched[0] in got else 'missing'}"
+    for name in sorted(expected):
+        g, e = got[name], expected[name]
+        if g.shape != e.shape or g.dtype != e.dtype:
+            return f"{name} has shape {tuple(g.shape)} and {g.dtype}, expected {tuple(e.shape)} and {e.dtype}"
+    return ""
+
+
 class BlockPartition:
     """Split the LoRA parameters of `model` into `num_blocks` groups of consecutive layers."""
 

@@ -26,7 +26,7 @@ from flwr.common.constant import ErrorCode
 from flwr.common.serde import message_to_proto
 
 from fedrl.adapter_record import write_record
-from fedrl.blocks import ALL_BLOCKS
+from fedrl.blocks import ALL_BLOCKS, adapter_difference
 from fedrl.clock import Clock, RealClock
 from fedrl.credentials import (
     ADMIN,
@@ -346,9 +346,13 @@ class Coordinator:
         found = list(load_checkpoints(self.checkpointer.directory))
         if not found:
             return False
-        for _, tensors, _ in found:
-            if set(tensors) != set(self.global_state):
-                raise ValueError(f"checkpoint in {self.checkpointer.directory} is for another adapter")
+        for version, tensors, _ in found:  # another model, rank or target modules: refused, left as they are
+            if difference := adapter_difference(tensors, self.global_state):
+                raise ValueError(
+                    f"checkpoint v{version} in {self.checkpointer.directory} is for another adapter than "
+                    f"this run's ({difference}): run with the settings it was made with, or give "
+                    "another out_dir or checkpoint_dir"
+                )
         version, tensors, meta = found[0]
         older = {v: state for v, state, _ in found[1:]}
         older.setdefault(0, dict(self.adapter.initial))  # v0 is never checkpointed; the seeded build is it
@@ -684,16 +688,9 @@ class Coordinator:
                 raise Rejected("size", f"upload of {meta['size']} bytes, more than the block can need")
             blob = self.admin.get(r.upload_key, max_bytes=limits.max_patch_bytes)
             new = apply_patch(None if r.upload_block == ALL_BLOCKS else base, blob, limits=limits)
-            if set(new) != set(names):
-                raise Rejected("shape", "the upload does not carry exactly the block's tensors")
-            odd = [n for n in names if new[n].shape != base[n].shape or new[n].dtype != base[n].dtype]
-            if odd:  # an anchor upload decides its own shapes: a wrong one would crash or broadcast
-                n = odd[0]
-                raise Rejected(
-                    "shape",
-                    f"{len(odd)} tensor(s) differ in shape or dtype from the global ones, e.g. {n}: "
-                    f"{new[n].dtype}{tuple(new[n].shape)} for {base[n].dtype}{tuple(base[n].shape)}",
-                )
+            # an anchor upload decides its own names and shapes: a wrong one would crash or broadcast
+            if difference := adapter_difference(new, base):
+                raise Rejected("shape", f"the upload is not the block's tensors: {difference}")
             delta = {n: new[n].float() - base[n].float() for n in names}
             weight = self.reputation.weight(client) if self.cfg.reputation else 1.0
             # the steps behind it: as the node says (a node at fewer prompts a step, by its probe's
@@ -885,9 +882,9 @@ class Coordinator:
     def run(self) -> dict:
         if self.direction_off:
             self.event("direction-off", reason=f"the direction check is off: {self.direction_off}")
-        self.wait_for_nodes()
-        if self.cfg.resume:
+        if self.cfg.resume:  # before the wait for nodes: a checkpoint that does not fit fails at once
             self.resume()
+        self.wait_for_nodes()
         self.publish()
         initial = self.evaluate() if not self.evals else self.evals[0]["error"]
         loop_cpu, loop_eval_cpu = time.process_time(), self.eval_cpu_s

@@ -64,3 +64,18 @@ def test_set_refuses_wrong_names_or_shapes_and_changes_nothing(peft_tiny):
         BlockPartition(peft_tiny, 4)
     with pytest.raises(ValueError, match="no LoRA"):
         BlockPartition(load_model("tiny").model, 1)
+
+
+def test_adapter_difference_names_the_first_tensor_that_differs():
+    from fedrl.blocks import adapter_difference
+
+    state = {"a": torch.zeros(2, 3), "b": torch.zeros(4)}
+    assert adapter_difference(dict(state), state) == ""
+    assert adapter_difference({"a": state["a"]}, state) == "b is missing"
+    assert adapter_difference({**state, "c": torch.zeros(1)}, state) == "c is not expected"
+    assert adapter_difference({**state, "a": torch.zeros(3, 2)}, state) == (
+        "a has shape (3, 2) and torch.float32, expected (2, 3) and torch.float32"
+    )
+    assert "torch.bfloat16, expected (4,) and torch.float32" in adapter_difference(
+        {**state, "b": torch.zeros(4, dtype=torch.bfloat16)}, state
+    )

@@ -125,6 +125,19 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert second["versions"] >= 4
 
 
+def test_a_checkpoint_of_another_adapter_is_refused_before_nodes_are_awaited_and_kept(tmp_path):
+    """Before: a run resumed with another lora_rank took the old tensors (their names matched)
+    and failed 46 s into `fedrl sim`, in a client, with a bare shape error."""
+    cfg = config(tmp_path, versions=2)
+    run_coordinator(FakeGrid(3, client_app), cfg)
+    folder = tmp_path / "run" / "checkpoints"
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    # no node ever connects: the refusal comes before the wait for them, which would time out
+    with pytest.raises(ValueError, match="is for another adapter than this run's .*lora_A.*has shape \\(8, "):
+        run_coordinator(FakeGrid(0, client_app), cfg.replace(lora_rank=4, node_wait_s=0.5))
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
 def test_a_resumed_coordinator_keeps_older_checkpoints_as_bases(tmp_path):
     """A client may hold a delta computed on a version before the newest checkpoint: after a
     restart that base is still known (the delta is judged, not refused as "no longer retained")
