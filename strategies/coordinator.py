@@ -122,6 +122,11 @@ def upload_limits(tensors: list) -> PatchLimits:
     return PatchLimits(max_patch_bytes=bound, max_body_bytes=bound)
 
 
+# what a checkpointed adapter means, so a resume keeps them: the model it adapts and its shape and
+# scale; the seed (v0 is never checkpointed: the seeded build stands for it); the task of its evals
+RESUME_KEEPS = ("model", "seed", "lora_rank", "lora_alpha", "task", "task_params")
+
+
 class Coordinator:
     """Use as a context manager: everything it starts (store, clients, threads) is closed on exit,
     also when setting up fails half way."""
@@ -340,18 +345,26 @@ class Coordinator:
         }
         self.checkpointer.save_async(self.version, self.global_state, meta)
 
+    def misfit(self, tensors: dict, made: dict) -> str:
+        """Why a checkpoint (its tensors, the config it was made with) is not this run's to resume;
+        "" when it is."""
+        changed = [f"{k}={made[k]!r}" for k in RESUME_KEEPS if k in made and made[k] != getattr(self.cfg, k)]
+        return (
+            f"made with {', '.join(changed)}" if changed else adapter_difference(tensors, self.global_state)
+        )
+
     def resume(self) -> bool:
         """Continue from the newest checkpoint. The older ones kept beside it are retained as
         bases, so deltas clients computed on them before the restart are judged, not lost."""
         found = list(load_checkpoints(self.checkpointer.directory))
         if not found:
             return False
-        for version, tensors, _ in found:  # another model, rank or target modules: refused, left as they are
-            if difference := adapter_difference(tensors, self.global_state):
+        for version, tensors, meta in found:  # refused, and left as they are
+            if reason := self.misfit(tensors, meta.get("config", {})):
                 raise ValueError(
-                    f"checkpoint v{version} in {self.checkpointer.directory} is for another adapter than "
-                    f"this run's ({difference}): run with the settings it was made with, or give "
-                    "another out_dir or checkpoint_dir"
+                    f"checkpoint v{version} in {self.checkpointer.directory} does not fit this run "
+                    f"({reason}): run with the settings it was made with, or give another out_dir or "
+                    "checkpoint_dir"
                 )
         version, tensors, meta = found[0]
         older = {v: state for v, state, _ in found[1:]}

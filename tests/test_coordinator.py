@@ -125,17 +125,36 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert second["versions"] >= 4
 
 
-def test_a_checkpoint_of_another_adapter_is_refused_before_nodes_are_awaited_and_kept(tmp_path):
+def test_a_checkpoint_made_with_other_settings_is_refused_before_nodes_are_awaited_and_kept(tmp_path):
     """Before: a run resumed with another lora_rank took the old tensors (their names matched)
-    and failed 46 s into `fedrl sim`, in a client, with a bare shape error."""
+    and failed 46 s into `fedrl sim`, in a client, with a bare shape error; one with another seed
+    or model of the same shapes went on, from an adapter made for another base."""
     cfg = config(tmp_path, versions=2)
     run_coordinator(FakeGrid(3, client_app), cfg)
     folder = tmp_path / "run" / "checkpoints"
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    # no node ever connects: the refusal comes before the wait for them, which would time out
-    with pytest.raises(ValueError, match="is for another adapter than this run's .*lora_A.*has shape \\(8, "):
-        run_coordinator(FakeGrid(0, client_app), cfg.replace(lora_rank=4, node_wait_s=0.5))
+    # no node ever connects: each refusal comes before the wait for them, which would time out
+
+    def resume(**changes):
+        run_coordinator(FakeGrid(0, client_app), cfg.replace(node_wait_s=0.5, **changes))
+
+    for changes, reason in (
+        ({"lora_rank": 4}, "made with lora_rank=8"),
+        ({"seed": 1}, "made with seed=0"),
+        ({"model": "tiny-gpt", "lora_alpha": 8.0}, "made with model='tiny-base', lora_alpha=16.0"),
+    ):
+        with pytest.raises(
+            ValueError, match=f"checkpoint v\\d+ in .* does not fit this run \\({reason}\\): run with"
+        ):
+            resume(**changes)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    # a checkpoint that does not say its settings is judged by its tensors
+    for manifest in folder.glob("ckpt-*.json"):
+        record = json.loads(manifest.read_text())
+        del record["meta"]["config"]
+        manifest.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="does not fit this run \\(.*lora_A.*has shape \\(8, "):
+        resume(lora_rank=4)
 
 
 def test_a_resumed_coordinator_keeps_older_checkpoints_as_bases(tmp_path):
