@@ -88,8 +88,9 @@ def test_a_failing_setup_closes_what_it_started(tmp_path, monkeypatch):
     assert not leaked & {"patch-store", "store-client"}
 
 
-def test_a_compute_error_joins_the_comm_thread_first(tmp_path):
+def test_a_compute_error_joins_the_comm_thread_first(tmp_path, monkeypatch):
     """Before: the exception left handle() while the comm thread still ran."""
+    from fedrl.clients import block_worker
     from fedrl.clients.block_worker import handle
     from fedrl.clients.runtime import use_runtime
     from fedrl.sim.bench.overlap import Federation
@@ -98,11 +99,14 @@ def test_a_compute_error_joins_the_comm_thread_first(tmp_path):
 
     fed = Federation()
     try:
-        # compute fails at once: no reversal task takes this parameter
-        instr = fed.instruction("parablock", steps=2).replace(task_params='{"colour": 1}')
+        def fail_at_once(*args, **kwargs):  # every instruction that can be built trains
+            raise ValueError("compute failed at once")
+
+        monkeypatch.setattr(block_worker, "train_steps", fail_at_once)
+        instr = fed.instruction("parablock", steps=2)
         slow = ClientProfile(up_bytes_s=20e3, down_bytes_s=20e3)  # the upload takes ~1 s
         with use_runtime(SimulatedRuntime(slow, virtual=False, step_s=1.0)):
-            with pytest.raises(ValueError, match="bad parameters for task 'reversal'"):
+            with pytest.raises(ValueError, match="compute failed at once"):
                 handle(instr, fed.state, fed.models)
         assert not [t for t in threading.enumerate() if t.name == "comm"]
     finally:
