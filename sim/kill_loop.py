@@ -125,14 +125,15 @@ def kill_loop(
     for record, next_start in zip(records, starts):  # a kill loses what its life reached past the next start
         record["versions_lost"] = max(0, record["reached"] - next_start)
     ckpt_dir = run_dir / "checkpoints"
-    manifests = list(ckpt_dir.glob("ckpt-*.json"))
+    corrupt: list[str] = []
+    list(load_checkpoints(ckpt_dir, corrupt))
     return {
         "kills": records,
         "kills_done": len(records),
         "versions_lost_max": max((r["versions_lost"] for r in records), default=0),
         "versions_lost_total": sum(r["versions_lost"] for r in records),
         "leftover_tmp_files": len(list(ckpt_dir.glob("*.tmp"))),
-        "corrupt_checkpoints": len(manifests) - len(list(load_checkpoints(ckpt_dir))),
+        "corrupt_checkpoints": len(corrupt),
         "final_metric": summary["final_eval"],
         "initial_metric": summary["initial_eval"],
         "versions": summary["versions"],

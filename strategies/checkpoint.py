@@ -129,19 +129,25 @@ class Checkpointer:
         return tensor_path
 
 
-def load_checkpoints(directory: str | Path) -> Iterator[tuple[int, dict[str, torch.Tensor], dict]]:
-    """Every checkpoint whose tensor file matches its recorded hash, newest first; corrupt ones
-    are skipped."""
+def load_checkpoints(
+    directory: str | Path, skipped: list[str] | None = None
+) -> Iterator[tuple[int, dict[str, torch.Tensor], dict]]:
+    """Every checkpoint whose tensor file matches its recorded hash, newest first; each one that
+    does not, or cannot be read, is passed over and named, with why, in `skipped`."""
     directory = Path(directory)
     for manifest in sorted(directory.glob("ckpt-*.json"), reverse=True):
         try:
             record = json.loads(manifest.read_text())
             tensor_path = manifest.with_suffix(".safetensors")
             if hashlib.sha256(tensor_path.read_bytes()).hexdigest() != record["sha256"]:
-                continue
+                raise ValueError(f"{tensor_path.name} does not match the SHA-256 its manifest records")
             yield int(record["version"]), load_file(str(tensor_path)), record["meta"]
-        except (OSError, ValueError, KeyError):
-            continue
+        except (OSError, ValueError, KeyError) as err:
+            if skipped is not None:
+                skipped.append(
+                    f"{manifest.name}: "
+                    + (f"its manifest lacks {err}" if isinstance(err, KeyError) else str(err))
+                )
 
 
 def load_latest(directory: str | Path) -> tuple[int, dict[str, torch.Tensor], dict] | None:

@@ -356,7 +356,10 @@ class Coordinator:
     def resume(self) -> bool:
         """Continue from the newest checkpoint. The older ones kept beside it are retained as
         bases, so deltas clients computed on them before the restart are judged, not lost."""
-        found = list(load_checkpoints(self.checkpointer.directory))
+        skipped: list[str] = []
+        found = list(load_checkpoints(self.checkpointer.directory, skipped))
+        for reason in skipped:  # a resume from an older one, or from v0, says why
+            self.event("checkpoint-skipped", reason=reason)
         if not found:
             return False
         for version, tensors, meta in found:  # refused, and left as they are

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from fedrl.strategies.checkpoint import Checkpointer, load_latest
+from fedrl.strategies.checkpoint import Checkpointer, load_checkpoints, load_latest
 
 
 def test_background_save_and_verified_load(tmp_path):
@@ -30,6 +30,15 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path):
     path.write_bytes(bytes(data))
     assert load_latest(tmp_path)[0] == 1
     assert load_latest(tmp_path / "missing") is None
+    manifest = json.loads((tmp_path / "ckpt-00000001.json").read_text())
+    del manifest["sha256"]
+    (tmp_path / "ckpt-00000001.json").write_text(json.dumps(manifest))
+    skipped = []
+    assert list(load_checkpoints(tmp_path, skipped)) == []
+    assert skipped == [
+        "ckpt-00000002.json: ckpt-00000002.safetensors does not match the SHA-256 its manifest records",
+        "ckpt-00000001.json: its manifest lacks 'sha256'",
+    ]
 
 
 def test_killed_coordinator_restarts_from_its_checkpoint(tmp_path):

@@ -179,6 +179,15 @@ def test_a_resumed_coordinator_keeps_older_checkpoints_as_bases(tmp_path):
         assert state_hash(again.publisher.state(0)) == state_hash(again.wire(again.adapter.initial))
         again.publish()
         assert any(r["base_version"] == latest - 1 and r["target_version"] == latest for r in again.refs)
+    # the newest checkpoint damaged on disk: the resume goes on from the one before and says why
+    newest = tmp_path / "run" / "checkpoints" / f"ckpt-{latest:08d}.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-1] + b"!")
+    with Coordinator(FakeGrid(3, client_app), cfg) as again:
+        assert again.resume() and again.version == latest - 1
+        skipped = [e["reason"] for e in again.log.events if e["kind"] == "checkpoint-skipped"]
+        assert skipped == [
+            f"ckpt-{latest:08d}.json: {newest.name} does not match the SHA-256 its manifest records"
+        ]
 
 
 def test_exported_adapter_loads_with_peft_and_reproduces_the_final_eval(tmp_path):
