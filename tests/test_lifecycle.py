@@ -97,12 +97,12 @@ def test_a_compute_error_joins_the_comm_thread_first(tmp_path, monkeypatch):
     from fedrl.sim.profiles import ClientProfile
     from fedrl.sim.simulated_client import SimulatedRuntime
 
+    def fail_at_once(*args, **kwargs):  # every instruction that can be built trains
+        raise ValueError("compute failed at once")
+
+    monkeypatch.setattr(block_worker, "train_steps", fail_at_once)
     fed = Federation()
     try:
-        def fail_at_once(*args, **kwargs):  # every instruction that can be built trains
-            raise ValueError("compute failed at once")
-
-        monkeypatch.setattr(block_worker, "train_steps", fail_at_once)
         instr = fed.instruction("parablock", steps=2)
         slow = ClientProfile(up_bytes_s=20e3, down_bytes_s=20e3)  # the upload takes ~1 s
         with use_runtime(SimulatedRuntime(slow, virtual=False, step_s=1.0)):
