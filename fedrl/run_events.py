@@ -21,8 +21,19 @@ from pathlib import Path
 
 COUNTS = ("replies", "errors", "accepted", "rejected", "lost", "unknown")
 # expected under churn and faults: logged at INFO; the rest (replies, versions...) at DEBUG
-NOTABLE = {"rejected", "error", "lost", "unknown", "left", "leaving", "joined", "resumed", "stopped", "late"}
-NOTABLE.add("checkpoint-skipped")
+NOTABLE = {
+    "rejected",
+    "error",
+    "lost",
+    "unknown",
+    "left",
+    "leaving",
+    "joined",
+    "resumed",
+    "stopped",
+    "late",
+    "checkpoint-skipped",
+}
 log = logging.getLogger("fedrl.events")
 
 
