@@ -72,6 +72,7 @@ def kill_loop(
     """`kills` SIGKILLs of one run, then its completion; the per-kill record and what is left."""
     rng = np.random.default_rng(seed)
     records, interval = [], 2.0  # wall seconds per version, learned from the run itself
+    finished = False
     for k in range(kills):
         phase, seen = PHASES[k % len(PHASES)], len(events_of(run_dir))
         env = dict(os.environ)
@@ -100,7 +101,8 @@ def kill_loop(
         if proc.poll() is None:  # the aimed moment (or a failpoint never reached before the deadline)
             os.kill(proc.pid, signal.SIGKILL)
             killed_by = "loop"
-        if proc.wait() == 0:  # the run ended before this kill: nothing left to kill
+        if proc.wait() == 0:  # the run ended before this kill: nothing left to kill, nor to rerun
+            finished = True
             break
         life = events_of(run_dir)[seen:]
         walls = [e["wall"] for e in life if e["kind"] == "version"]
@@ -119,8 +121,11 @@ def kill_loop(
                 "life_s": round(time.monotonic() - start, 2),
             }
         )
-    seen = len(events_of(run_dir))
-    summary = run_to_end(run_dir, clients, overrides, life_timeout_s * 2)
+    if finished:  # its last life, from `seen` on, ended it
+        summary = json.loads((run_dir / "summary.json").read_text())
+    else:
+        seen = len(events_of(run_dir))
+        summary = run_to_end(run_dir, clients, overrides, life_timeout_s * 2)
     starts = [r["resumed_from"] for r in records[1:]] + [resumed_from(events_of(run_dir)[seen:])]
     for record, next_start in zip(records, starts):  # a kill loses what its life reached past the next start
         record["versions_lost"] = max(0, record["reached"] - next_start)

@@ -370,6 +370,12 @@ class Coordinator:
                     "checkpoint_dir"
                 )
         version, tensors, meta = found[0]
+        if version >= self.cfg.versions and (self.out_dir / "summary.json").exists():
+            # rerunning a finished run's command would go on for no version and overwrite its summary
+            raise ValueError(
+                f"the run in {self.out_dir} finished at v{version}, and versions={self.cfg.versions} asks "
+                f"for no more: give versions > {version} to go on from it, or another out_dir"
+            )
         older = {v: state for v, state, _ in found[1:]}
         older.setdefault(0, dict(self.adapter.initial))  # v0 is never checkpointed; the seeded build is it
         for v in sorted(older):

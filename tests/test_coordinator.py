@@ -119,6 +119,14 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     cfg = config(tmp_path, versions=2)
     first = run_coordinator(FakeGrid(3, client_app), cfg)
     assert first["versions"] >= 2
+    # the same command again: before, it went on for no version and overwrote the summary with
+    # 0 rounds and 0 bytes
+    summary = (tmp_path / "run" / "summary.json").read_bytes()
+    with pytest.raises(
+        ValueError, match=f"finished at v{first['versions']}, and versions=2 asks for no more"
+    ):
+        run_coordinator(FakeGrid(3, client_app), cfg)
+    assert (tmp_path / "run" / "summary.json").read_bytes() == summary
     second = run_coordinator(FakeGrid(3, client_app), cfg.replace(versions=4))
     resumed = [e for e in second["events"] if e["kind"] == "resumed"]
     assert resumed and resumed[0]["from_version"] == first["versions"]
@@ -174,7 +182,9 @@ def test_a_resumed_coordinator_keeps_older_checkpoints_as_bases(tmp_path):
         assert again.resume() and again.version == latest
         for v in (latest - 2, latest - 1):  # as published: cast to the wire dtype
             assert state_hash(again.publisher.state(v)) == state_hash(again.wire(kept[v]))
-    with Coordinator(FakeGrid(3, client_app), cfg.replace(max_staleness=latest)) as again:
+    with Coordinator(
+        FakeGrid(3, client_app), cfg.replace(versions=latest + 2, max_staleness=latest)
+    ) as again:
         assert again.resume()  # v0 has no checkpoint: the coordinator's seeded build stands for it
         assert state_hash(again.publisher.state(0)) == state_hash(again.wire(again.adapter.initial))
         again.publish()
@@ -182,7 +192,7 @@ def test_a_resumed_coordinator_keeps_older_checkpoints_as_bases(tmp_path):
     # the newest checkpoint damaged on disk: the resume goes on from the one before and says why
     newest = tmp_path / "run" / "checkpoints" / f"ckpt-{latest:08d}.safetensors"
     newest.write_bytes(newest.read_bytes()[:-1] + b"!")
-    with Coordinator(FakeGrid(3, client_app), cfg) as again:
+    with Coordinator(FakeGrid(3, client_app), cfg.replace(versions=latest + 2)) as again:
         assert again.resume() and again.version == latest - 1
         skipped = [e["reason"] for e in again.log.events if e["kind"] == "checkpoint-skipped"]
         assert skipped == [
