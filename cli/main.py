@@ -141,6 +141,7 @@ def supernode(supernode_args: list[str]) -> int:
 def cmd_deploy(args) -> int:
     import signal
 
+    from fedrl.deploy.federation import failure_of
     from fedrl.deploy.local import LocalDeployment
     from fedrl.live_line import LiveLine
     from fedrl.sim.runner import parse_overrides
@@ -182,12 +183,16 @@ def cmd_deploy(args) -> int:
         status = deployment.federation.wait_run(run_id, args.timeout, status_line)
         line.show(f"run {run_id}: {status}")
         line.done()
+        if status != "finished:completed":  # its summary, if any, is an earlier run's
+            failure = failure_of(deployment.federation.run_log(run_id)) or "its log names no exception"
+            print(f"the run failed: {failure} (logs in {deployment.logs})", file=sys.stderr)
+            return 1
         summary = deployment.summary()
         print(
             f"held-out error {summary['initial_eval']:.3f} -> {summary['final_eval']:.3f} in "
             f"{summary['versions']} versions; summary {deployment.run_dir / 'summary.json'}"
         )
-        return 0 if status == "finished:completed" else 1
+        return 0
     except KeyboardInterrupt:
         print("\nstopping every process of the deployment", file=sys.stderr)
         return 130

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -136,6 +137,28 @@ class Federation:
                 progress(status)
             time.sleep(2)
         return status
+
+    def run_log(self, run_id: int, timeout_s: float = 60.0) -> str:
+        """What the run's ServerApp logged, as `flwr log --show` prints it ("" if that fails)."""
+        try:
+            out = subprocess.run(
+                [tool("flwr"), "log", str(run_id), CONNECTION, "--show"],
+                capture_output=True,
+                text=True,
+                env=self.env(),
+                cwd=self.home,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            return ""
+        return out.stdout
+
+
+def failure_of(log: str) -> str:
+    """The exception a failed run's ServerApp ended with, from its log: the last
+    `SomeError: message` line of a traceback ("" if there is none)."""
+    found = re.findall(r"^[\w.]*(?:Error|Exception|Exit|Interrupt): .*$", log, flags=re.MULTILINE)
+    return found[-1] if found else ""
 
 
 def run_config(values: dict) -> dict:

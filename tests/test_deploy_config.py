@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import serialization
 
 from fedrl.certs import make_deployment_credentials, make_node_key, make_server_cert
 from fedrl.cli.main import build_parser
-from fedrl.deploy.federation import DeployError, Federation, app_config, run_config
+from fedrl.deploy.federation import DeployError, Federation, app_config, failure_of, run_config
 from fedrl.ports import check_port_free
 from fedrl.strategies.run_config import RunConfig
 
@@ -130,3 +130,24 @@ def test_every_fedrl_command_of_the_compose_file_parses():
             parser.parse_args(argv[1:])
         except SystemExit:
             pytest.fail(f"compose service {name}: `{' '.join(argv)}` does not parse")
+
+
+def test_the_exception_a_failed_run_ended_with_is_read_from_its_log():
+    log = """Using SuperLink: fedrl (127.0.0.1:52299)
+ERROR :     ServerApp raised an exception
+Traceback (most recent call last):
+  File "/work/main/strategies/coordinator.py", line 375, in resume
+    raise ValueError(
+ValueError: the run in /tmp/dl1/run finished at v5, and versions=4 asks for no more
+ERROR :     Exit Code: 201
+
+An unhandled exception occurred in the ServerApp.
+"""
+    assert (
+        failure_of(log)
+        == "ValueError: the run in /tmp/dl1/run finished at v5, and versions=4 asks for no more"
+    )
+    assert failure_of(log.replace("ValueError", "fedrl.schema.SchemaError")).startswith(
+        "fedrl.schema.SchemaError: "
+    )
+    assert failure_of("INFO : Start `flwr-serverapp` process\n") == ""

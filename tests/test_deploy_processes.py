@@ -13,6 +13,7 @@ from waiting import wait_for
 
 from fedrl.certs import make_node_key
 from fedrl.credentials import node_principal, token_for
+from fedrl.deploy.federation import failure_of
 from fedrl.deploy.local import LocalDeployment
 from fedrl.store_client import BlockingStoreClient, StoreError
 from fedrl.strategies.checkpoint import load_latest
@@ -143,3 +144,10 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     assert comeback and comeback[-1]["synced_version"] >= kept_version
     pins = [json.loads((deployment.node_dir(i) / "coordinator-keys.json").read_text()) for i in range(3)]
     assert all(p == pins[0] and list(p) == [deployment.store_url] for p in pins)
+    # the same run submitted once more asks for no more versions: refused, its summary kept, and the
+    # reason readable from the run's log (`fedrl deploy local` prints it)
+    kept = (out / "summary.json").read_bytes()
+    run_id = deployment.submit(**config)
+    assert deployment.federation.wait_run(run_id, 300) == "finished:failed"
+    assert "finished at v" in failure_of(deployment.federation.run_log(run_id))
+    assert (out / "summary.json").read_bytes() == kept
