@@ -130,6 +130,7 @@ def main(args) -> int:
         host = "127.0.0.1" if base.monitor_host == "0.0.0.0" else base.monitor_host
         url = f"http://{host}:{base.monitor_port}"
         print(f"live dashboard: {url}/dashboard  metrics: {url}/metrics", flush=True)
+    out.mkdir(parents=True, exist_ok=True)  # a path that cannot be a folder fails here, not once Ray is up
     for seed in seeds:
         run_out = out / f"seed-{seed}" if len(seeds) > 1 else out
         cfg = base.replace(out_dir=str(run_out), min_nodes=clients, seed=seed)

@@ -146,3 +146,10 @@ def test_a_server_on_a_taken_port_announces_nothing_and_says_why(tmp_path):
         assert out.returncode == 2 and "live dashboard" not in out.stdout, (out.stdout, out.stderr)
         assert f"port 127.0.0.1:{port}: Address already in use" in out.stderr, out.stderr
         assert not (tmp_path / "sim").exists()
+
+
+def test_a_simulation_whose_output_path_cannot_be_a_folder_fails_before_it_starts(tmp_path):
+    """Before: it failed 13 s in, once Ray was up and its progress bar shown."""
+    (tmp_path / "a-file").write_text("")
+    out = run_fedrl("sim", "--out", str(tmp_path / "a-file" / "run"), timeout=60)
+    assert out.returncode == 2 and "Not a directory" in out.stderr and "%|" not in out.stderr, out.stderr
