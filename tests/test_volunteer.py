@@ -285,6 +285,34 @@ def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
     assert (home.state_dir / STATUS).exists()
 
 
+def test_a_second_join_on_a_running_volunteers_home_is_refused(tmp_path, ca, capsys):
+    """Before: it started a second SuperNode on the same key and the same node state."""
+    from fedrl.volunteer.home import VolunteerHome
+    from fedrl.volunteer.session import EXIT_BAD_INPUT, EXIT_UNREACHABLE, join
+
+    invite = make_invite("r", "127.0.0.1:9", "https://127.0.0.1:9", ca, new_secret(), **LEARNER)
+    home = VolunteerHome.for_run(invite.run, tmp_path)
+    home.remember(invite)
+    script = "import time; time.sleep(120)"
+    volunteer = subprocess.Popen([sys.executable, "-c", script, "fedrl", "volunteer", "join"])
+    other = subprocess.Popen([sys.executable, "-c", script])  # alive, but no volunteer: a pid given out again
+    try:
+        write_json(home.session, {"pid": volunteer.pid, "started": 0.0, "clean": False})
+        assert join(invite, home=tmp_path) == EXIT_BAD_INPUT
+        said = " ".join(capsys.readouterr().err.split())  # as one line, however the console wrapped it
+        assert f"a volunteer already runs for this federation (pid {volunteer.pid}" in said
+        assert read_json(home.session)["pid"] == volunteer.pid  # its session is left as it was
+        out = io.StringIO()
+        print_status(home, out)
+        assert f"volunteer: running (pid {volunteer.pid})" in out.getvalue()
+        write_json(home.session, {"pid": other.pid, "started": 0.0, "clean": False})
+        assert join(invite, home=tmp_path) == EXIT_UNREACHABLE  # it went on, to the store it cannot reach
+    finally:
+        for proc in (volunteer, other):
+            proc.kill()
+            proc.wait()
+
+
 def report(steps: int, reward: float, prompts: int = 4) -> TrainReport:
     """A node's report of a round of `steps` (0: a round that trained nothing)."""
     zero = dict.fromkeys(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
+import psutil
 
 from fedrl.certs import make_node_key
 from fedrl.invite import Invite, InviteError, load_invite
@@ -76,6 +77,19 @@ class VolunteerHome:
             return read_json(self.session) or {}
         except ValueError:
             return {}
+
+    def running_pid(self) -> int | None:
+        """The pid of a `fedrl volunteer join` still at work on this home: its session did not
+        end, and its process lives and is a volunteer's (not a pid the system gave out again)."""
+        session = self.last_session()
+        pid = session.get("pid")
+        if not isinstance(pid, int) or session.get("clean") is not False or pid == os.getpid():
+            return None
+        try:
+            command = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            return None
+        return pid if "volunteer" in " ".join(command) else None
 
 
 def known_runs(home: str | Path | None = None) -> list[str]:

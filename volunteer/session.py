@@ -318,6 +318,12 @@ class Session:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
+        if (pid := self.home.running_pid()) is not None:  # two nodes on one key and one state: refused
+            raise VolunteerError(
+                EXIT_BAD_INPUT,
+                f"a volunteer already runs for this federation (pid {pid}, home {self.home.data}): "
+                f"stop it first (Ctrl-C where it runs, or kill -TERM {pid})",
+            )
         self.home.remember(self.invite)
         (self.home.state_dir / LEAVE).unlink(missing_ok=True)
         update_status(self.home.state_dir, phase="connecting", acknowledged=False)  # not the last "left"
@@ -440,12 +446,10 @@ def join(
 
 def print_status(home: VolunteerHome, out=sys.stdout) -> int:
     """`fedrl volunteer status`: whether the volunteer runs, what its node did last, its probe."""
-    session = home.last_session()
-    pid = session.get("pid")
-    running = bool(pid) and not session.get("clean") and psutil.pid_exists(pid)
+    pid = home.running_pid()
     status = read_json(home.state_dir / STATUS) or {}
     probe = read_json(home.state_dir / PROBE)
-    out.write(f"volunteer: {f'running (pid {pid})' if running else 'not running'}\n")
+    out.write(f"volunteer: {'not running' if pid is None else f'running (pid {pid})'}\n")
     for key in (
         "phase",
         "version",
