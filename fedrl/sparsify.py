@@ -24,20 +24,23 @@ def top_k_with_feedback(
 
     The upload is in base's dtype (the wire dtype the client holds the global values in) and
     equals `base` except at the largest ceil(density * entries) entries of
-    delta = new - base + residual (ties at the threshold are all sent; every entry at density 1),
-    where it is base + delta rounded to that dtype. The new residual is exactly delta minus what
-    was sent, rounding included, so upload - base + new_residual == delta: a bfloat16 upload
-    loses nothing, and its values are a few ulps from the base's where float32 values would
-    differ in every bit."""
+    delta = new - base + residual (exactly that many, however many tie at the smallest of them;
+    every entry at density 1), where it is base + delta rounded to that dtype. The new residual
+    is exactly delta minus what was sent, rounding included, so upload - base + new_residual ==
+    delta: a bfloat16 upload loses nothing, and its values are a few ulps from the base's where
+    float32 values would differ in every bit."""
     delta = {n: new[n] - base[n] + residual.get(n, torch.zeros_like(new[n])) for n in new}
     entries = sum(d.numel() for d in delta.values())
     k = max(1, math.ceil(density * entries))
-    threshold = 0.0  # every entry goes (rounded) when k is all of them: no ranking to do
+    chosen = None  # every entry goes (rounded) when k is all of them: no ranking to do
     if k < entries:
         magnitudes = torch.cat([d.abs().reshape(-1) for d in delta.values()])
-        threshold = torch.topk(magnitudes, k, sorted=False).values.min()
+        flat = torch.zeros(entries, dtype=torch.bool)
+        flat[torch.topk(magnitudes, k, sorted=False).indices] = True  # k of them, ties or not
+        chosen = dict(zip(delta, torch.split(flat, [d.numel() for d in delta.values()])))
     upload, kept = {}, dict(residual)
     for n, d in delta.items():
-        upload[n] = torch.where(d.abs() >= threshold, (base[n] + d).to(base[n].dtype), base[n])
+        sent = (base[n] + d).to(base[n].dtype)
+        upload[n] = sent if chosen is None else torch.where(chosen[n].view(d.shape), sent, base[n])
         kept[n] = d - (upload[n].to(d.dtype) - base[n].to(d.dtype))  # what was sent, rounding included
     return upload, kept

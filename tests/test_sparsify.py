@@ -42,6 +42,17 @@ def test_what_is_sent_plus_what_is_kept_is_the_whole_delta(case, density):
     assert all(float(kept[n].abs().max()) <= smallest_sent + 1e-6 for n in base)  # the largest went first
 
 
+def test_entries_that_tie_at_the_smallest_sent_are_not_all_sent():
+    """Before: every entry at the k-th magnitude went, more than the density allows (found by the
+    property test above: 3 of 2)."""
+    base = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    upload, kept = top_k_with_feedback(
+        base, {"a": torch.tensor([1.0, 0.5]), "b": torch.tensor([1.0, 1.0])}, {}, 0.5
+    )
+    assert sum(int((upload[n] != 0).sum()) for n in base) == 2
+    assert sorted(torch.cat([kept["a"], kept["b"]]).tolist()) == [0.0, 0.0, 0.5, 1.0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_error_feedback_sends_everything_eventually(dtype):
     """A constant delta sent at 10% density: after enough rounds the sum of uploads is the sum
