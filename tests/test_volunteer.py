@@ -313,6 +313,24 @@ def test_a_second_join_on_a_running_volunteers_home_is_refused(tmp_path, ca, cap
             proc.wait()
 
 
+def test_what_a_volunteer_is_told_is_printed_as_written(tmp_path, ca):
+    """Messages quote logs and errors: a closing tag in them ("[/v1/...]" of a Flower log line)
+    raised rich's MarkupError, and "[red]" vanished."""
+    from rich.console import Console
+
+    from fedrl.volunteer.home import VolunteerHome
+    from fedrl.volunteer.session import Session
+
+    invite = make_invite("r", "127.0.0.1:9", "https://127.0.0.1:9", ca, new_secret(), **LEARNER)
+    out = io.StringIO()
+    session = Session(
+        invite, VolunteerHome.for_run(invite.run, tmp_path), console=Console(file=out, width=200)
+    )
+    said = "the SuperNode exited with 1: [/v1/fleet/pull-messages][ApiError:23] and [red]x[/red]"
+    session.say(said)
+    assert out.getvalue() == said + "\n"
+
+
 def report(steps: int, reward: float, prompts: int = 4) -> TrainReport:
     """A node's report of a round of `steps` (0: a round that trained nothing)."""
     zero = dict.fromkeys(

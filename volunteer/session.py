@@ -112,7 +112,7 @@ class Session:
         self.first_try: float | None = None  # when the SuperNode was first started
 
     def say(self, text: str) -> None:
-        self.console.print(text)
+        self.console.print(text, markup=False)  # it quotes logs and errors: "[/v1/...]" is not markup
 
     # ------------------------------------------------------------------ joining
 
