@@ -127,6 +127,11 @@ def upload_limits(tensors: list) -> PatchLimits:
 RESUME_KEEPS = ("model", "seed", "lora_rank", "lora_alpha", "task", "task_params")
 
 
+def kept_setting(key: str, value):
+    """A setting as a resume compares it: task parameters as the JSON they are, whatever their spacing."""
+    return json.loads(value) if key == "task_params" else value
+
+
 class Coordinator:
     """Use as a context manager: everything it starts (store, clients, threads) is closed on exit,
     also when setting up fails half way."""
@@ -348,7 +353,11 @@ class Coordinator:
     def misfit(self, tensors: dict, made: dict) -> str:
         """Why a checkpoint (its tensors, the config it was made with) is not this run's to resume;
         "" when it is."""
-        changed = [f"{k}={made[k]!r}" for k in RESUME_KEEPS if k in made and made[k] != getattr(self.cfg, k)]
+        changed = [
+            f"{k}={made[k]!r}"
+            for k in RESUME_KEEPS
+            if k in made and kept_setting(k, made[k]) != kept_setting(k, getattr(self.cfg, k))
+        ]
         return (
             f"made with {', '.join(changed)}" if changed else adapter_difference(tensors, self.global_state)
         )

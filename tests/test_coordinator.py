@@ -156,6 +156,9 @@ def test_a_checkpoint_made_with_other_settings_is_refused_before_nodes_are_await
         ):
             resume(**changes)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    # the same task parameters written otherwise are the same: refused only for asking no more versions
+    with pytest.raises(ValueError, match="asks for no more"):
+        resume(task_params=json.dumps(json.loads(cfg.task_params), indent=2, sort_keys=True))
     # a checkpoint that does not say its settings is judged by its tensors
     for manifest in folder.glob("ckpt-*.json"):
         record = json.loads(manifest.read_text())
