@@ -1,0 +1,106 @@
+"""The patch codec's whole-tensor passes, compiled (numba): the only loops over every value.
+
+Both passes read a tensor's bit patterns once, BLOCK values at a time: a compare over the
+block, in a loop of fixed length that LLVM vectorises, makes a 64-bit mask, and only its set
+bits are visited (count-trailing-zeros). At RL learning rates about 1% of a tensor's values
+change and 0.5-2% are near (see `fedrl.patch.is_near`), so most of the time goes to reading.
+Over SmolLM2's 6-layer block (21M bf16 values, its tensors laid end to end; a warm memcpy of
+them: 2.7 ms), against the numpy whole-array steps these replace (a temporary per step, then
+`flatnonzero` over the mask): changed positions 7.3 -> 4.1 ms; near positions by exponent
+9.5 -> 3.3 ms with 0.5% of the values near and 17.8 -> 9.0 ms with 1.9% (there the counting
+sort by exponent takes about half). A branch per block to skip empty ones, or a store per
+value with the count bumped by the test, ran at 8 ms where the mask ran at 3.8 (1.9% near,
+without the sort).
+
+The kernels write into buffers the caller owns and return how many entries they wrote.
+Compiled code is kept on disk beside this file (or in the user's cache directory), so a process
+after the first loads it in about half a second instead of compiling it for two.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+BLOCK = 64  # values per bit mask: one uint64
+
+
+def _compiled(fn):
+    try:
+        return njit(cache=True, nogil=True, boundscheck=False)(fn)
+    except RuntimeError:  # nowhere writable to keep compiled code: each process compiles it
+        return njit(nogil=True, boundscheck=False)(fn)
+
+
+@intrinsic
+def _trailing_zeros(typingctx, word):
+    """LLVM's count-trailing-zeros of a uint64 (one instruction; numba has no such function)."""
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(1)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.cttz.i64")
+        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
+
+    return types.uint64(types.uint64), codegen
+
+
+@njit(inline="always")
+def _write_set_bits(mask, start, out, count):
+    """Writes start + the index of each set bit of `mask` to `out` from `count`; the new count."""
+    while mask:
+        out[count] = start + np.int64(_trailing_zeros(mask))
+        count += 1
+        mask &= mask - np.uint64(1)
+    return count
+
+
+@njit(inline="always")
+def _differ_mask(base, new, start, length):
+    mask = np.uint64(0)
+    for j in range(length):  # inlined with length BLOCK: a fixed trip count, which LLVM vectorises
+        mask |= np.uint64(base[start + j] != new[start + j]) << np.uint64(j)
+    return mask
+
+
+@njit(inline="always")
+def _under_mask(bits, magnitude_mask, limit, start, length):
+    mask = np.uint64(0)
+    for j in range(length):
+        mask |= np.uint64((bits[start + j] & magnitude_mask) < limit) << np.uint64(j)
+    return mask
+
+
+@_compiled
+def changed_into(base: np.ndarray, new: np.ndarray, out: np.ndarray) -> int:
+    """Writes the sorted positions where `base` and `new` differ into `out` (room for all)."""
+    n, count = base.size, 0
+    full = n - n % BLOCK
+    for start in range(0, full, BLOCK):
+        count = _write_set_bits(_differ_mask(base, new, start, BLOCK), start, out, count)
+    return _write_set_bits(_differ_mask(base, new, full, n - full), full, out, count)
+
+
+@_compiled
+def near_into(bits, magnitude_mask, limit, mantissa: int, bins: int, found, out) -> int:
+    """Writes the positions of the values whose magnitude bits (`bits & magnitude_mask`) are
+    under `limit` into `out`, ordered by exponent field, then position (a counting sort over
+    the `bins` exponents); `found`: scratch with room for every position."""
+    n, count = bits.size, 0
+    full = n - n % BLOCK
+    for start in range(0, full, BLOCK):
+        count = _write_set_bits(_under_mask(bits, magnitude_mask, limit, start, BLOCK), start, found, count)
+    count = _write_set_bits(_under_mask(bits, magnitude_mask, limit, full, n - full), full, found, count)
+    exponents = np.empty(count, np.int64)  # signed throughout: numba mixes signs into float64
+    starts = np.zeros(bins + 1, np.int64)
+    for i in range(count):
+        exponents[i] = (np.int64(bits[found[i]]) >> mantissa) & (bins - 1)
+        starts[exponents[i] + 1] += 1
+    for e in range(bins):
+        starts[e + 1] += starts[e]
+    for i in range(count):
+        out[starts[exponents[i]]] = found[i]
+        starts[exponents[i]] += 1
+    return count
