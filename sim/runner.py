@@ -38,13 +38,13 @@ def simulate(
         last = coord.evals[-1]["error"] if coord.evals else float("nan")
         done = coord.version / cfg.versions
         if cfg.max_time_s:
-            done = max(done, coord.now() / cfg.max_time_s)
+            done = max(done, coord.run_time() / cfg.max_time_s)
         if cfg.max_wall_s:
             done = max(done, (time.monotonic() - coord.wall_start) / cfg.max_wall_s)
         bar.n = min(100, int(100 * done))
         bar.set_postfix(
             version=coord.version,
-            t=f"{coord.now():.1f}s",
+            t=f"{coord.run_time():.1f}s",
             replies=coord.counts["replies"],
             rejected=coord.counts["rejected"],
             eval_error=f"{last:.3f}",

@@ -124,6 +124,7 @@ def upload_limits(tensors: list) -> PatchLimits:
 
 # what a checkpointed adapter means, so a resume keeps them: the model it adapts and its shape and
 # scale; the seed (v0 is never checkpointed: the seeded build stands for it); the task of its evals
+SPENT = ("bytes_up", "bytes_down", "control_up", "control_down")  # traffic, per client and in all
 RESUME_KEEPS = ("model", "seed", "lora_rank", "lora_alpha", "task", "task_params")
 
 
@@ -245,6 +246,8 @@ class Coordinator:
         self.last_refresh = float("-inf")
         self.started_at = time.time()  # wall clock, so a deployment's logs can be lined up with events
         self.wall_start = time.monotonic()  # max_wall_s counts from here
+        # what the run's earlier lives spent (a resumed run): its records count from the run's start
+        self.earlier = dict.fromkeys(SPENT, 0) | {"messages": 0, "time_s": 0.0, "wall_s": 0.0}
 
     def __enter__(self) -> Coordinator:
         return self
@@ -261,15 +264,28 @@ class Coordinator:
         """A virtual clock with nothing out: only a reply moves it, so no time will pass."""
         return self.clock.virtual and not self.in_flight
 
+    def run_time(self) -> float:
+        """Seconds on the run's clock since the run started, its earlier lives included: what
+        records and `max_time_s` count (the clock itself starts at 0 in every life)."""
+        return self.earlier["time_s"] + self.now()
+
+    def run_wall_s(self) -> float:
+        return self.earlier["wall_s"] + time.monotonic() - self.wall_start
+
     def event(self, kind: str, counted: tuple[str, ...] = (), **fields) -> None:
-        self.log.emit(kind, self.now(), self.version, counted, **fields)
+        self.log.emit(kind, self.run_time(), self.version, counted, **fields)
 
     def traffic(self) -> dict[str, int]:
-        """Bytes every client moved since this coordinator started (a resumed run counts from
-        its restart): patches (counted with the reply of their round) and Flower messages
-        (instructions as they are sent, replies as they come)."""
-        keys = ("bytes_up", "bytes_down", "control_up", "control_down")
-        return {k: sum(c[k] for c in self.clients.values()) for k in keys}
+        """Bytes every client moved since the run started, its earlier lives included: patches
+        (counted with the reply of their round) and Flower messages (instructions as they are
+        sent, replies as they come)."""
+        return {k: self.earlier[k] + sum(c[k] for c in self.clients.values()) for k in SPENT}
+
+    def spent(self) -> dict:
+        """What the run spent so far, all lives: bytes, messages, time on its clock and wall time."""
+        messages = self.earlier["messages"] + sum(c["messages"] for c in self.clients.values())
+        times = {"time_s": self.run_time(), "wall_s": self.run_wall_s()}
+        return {**self.traffic(), "messages": messages, **times}
 
     def evaluate(self) -> float:
         """The global adapter's greedy error on the task's held-out set (and its format errors,
@@ -279,14 +295,14 @@ class Coordinator:
         self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
         result = greedy_eval(self.adapter.lm, self.task)
         self.eval_cpu_s += time.process_time() - cpu
-        wall_s = round(time.monotonic() - self.wall_start, 1)
+        wall_s = round(self.run_wall_s(), 1)
         spent = self.traffic()
         moved = {
             "bytes_up": spent["bytes_up"] + spent["control_up"],
             "bytes_down": spent["bytes_down"] + spent["control_down"],
         }
         self.evals.append(
-            {"t": round(self.now(), 3), "wall_s": wall_s, "version": self.version, **moved, **result}
+            {"t": round(self.run_time(), 3), "wall_s": wall_s, "version": self.version, **moved, **result}
         )
         extra = {"format_error": result["format_error"]} if "format_error" in result else {}
         self.event("eval", metric="greedy_error", value=result["error"], **extra)
@@ -346,6 +362,7 @@ class Coordinator:
             "reputation": self.reputation.state_dict(),
             "direction": self.direction.state_dict() if self.direction else {},
             "rounds": {str(node): n for node, n in self.rounds.items()},  # seeds of clients' sampling
+            "spent": self.spent(),
             "config": self.cfg.model_dump(),
         }
         self.checkpointer.save_async(self.version, self.global_state, meta)
@@ -405,6 +422,7 @@ class Coordinator:
             self.direction.load_state_dict(meta.get("direction", {}))
         # a node's round numbers seed its sampling: restarting them would replay the same prompts
         self.rounds = {int(node): int(n) for node, n in meta.get("rounds", {}).items()}
+        self.earlier.update(meta.get("spent", {}))  # older checkpoints did not keep it: counted from here
         self.event("resumed", from_version=version)
         return True
 
@@ -647,7 +665,7 @@ class Coordinator:
             c["hardware"] = probe.model_dump()
         c["timeline"].append(
             {
-                "end": round(self.now(), 3),
+                "end": round(self.run_time(), 3),
                 "duration_s": r.duration_s,
                 "compute_s": r.compute_s,
                 "comm_s": r.comm_s,
@@ -871,7 +889,7 @@ class Coordinator:
     # ------------------------------------------------------------------ the loop
 
     def should_stop(self) -> bool:
-        if self.cfg.max_time_s and self.now() > self.cfg.max_time_s:
+        if self.cfg.max_time_s and self.run_time() > self.cfg.max_time_s:
             self.stop_reason = f"max_time_s {self.cfg.max_time_s} reached on the run's clock"
         elif self.cfg.max_wall_s and time.monotonic() - self.wall_start > self.cfg.max_wall_s:
             self.stop_reason = f"max_wall_s {self.cfg.max_wall_s} wall-clock seconds reached"
@@ -968,15 +986,15 @@ class Coordinator:
         cfg = self.cfg  # what it was trained on, so that `fedrl eval --adapter DIR` needs nothing else
         record = dict(model=cfg.model, task=cfg.task, task_params=cfg.task_params)
         write_record(adapter_dir, **record, version=self.version, final_eval=final)
-        spent = self.traffic()
+        spent = self.spent()
         summary = {
             "config": self.cfg.model_dump(),
             "initial_eval": initial,
             "final_eval": final,
             "final_set_eval": final_set,
-            "wall_s": round(time.monotonic() - self.wall_start, 1),
+            "wall_s": round(spent["wall_s"], 1),
             "metric": "greedy_error",
-            "rounds": sum(c["messages"] for c in self.clients.values()),
+            "rounds": spent["messages"],
             "versions": self.version,
             "bytes_up": spent["bytes_up"],
             "bytes_down": spent["bytes_down"],
@@ -984,7 +1002,7 @@ class Coordinator:
             "control_bytes_down": spent["control_down"],
             "clock": "virtual" if self.clock.virtual else "real",
             "started_at": self.started_at,
-            "time_s": round(self.now(), 2),
+            "time_s": round(spent["time_s"], 2),
             "loop": self.loop,
             "stop_reason": self.stop_reason,
             "counts": self.counts,
