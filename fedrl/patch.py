@@ -473,11 +473,6 @@ def zigzag(diff: np.ndarray) -> np.ndarray:
     return ((diff << 1) ^ (diff >> (bits - 1))).view(diff.dtype.str.replace("i", "u"))
 
 
-def unzigzag(z: np.ndarray) -> np.ndarray:
-    signed = z.view(z.dtype.str.replace("u", "i"))
-    return (z >> 1).view(signed.dtype) ^ -(signed & 1)
-
-
 def encode_values(
     base_vals: np.ndarray, new_vals: np.ndarray, is_float: bool
 ) -> tuple[str, str, bytes, bytes]:
@@ -502,10 +497,10 @@ def encode_values(
     return kind, width, shuffle_bytes(small), z[escaped].tobytes()
 
 
-def decode_values(
-    kind: str, width: str, data: memoryview, escapes: memoryview, base_vals: np.ndarray, is_float: bool
-) -> np.ndarray:
-    count, full = base_vals.size, base_vals.dtype
+def decode_values(kind: str, width: str, data, escapes, count: int, full) -> np.ndarray:
+    """A value stream of `count` values of the unsigned dtype `full`, as it travels: the new bits
+    ("raw"), or zigzagged ulp distances from the old values ("sign", "delta"; see `_scatter`)."""
+    full = np.dtype(full)
     if kind == "raw":
         if width != full.name:
             raise CorruptPatch(f"raw values are {width}, the tensor's bits are {full.name}")
@@ -516,25 +511,23 @@ def decode_values(
     if kind == "sign":
         if len(data) != (count + 7) // 8:
             raise CorruptPatch(f"sign bits for {count} values need {(count + 7) // 8} bytes, got {len(data)}")
-        z = np.unpackbits(np.frombuffer(data, np.uint8), count=count, bitorder="little").astype(
-            full
-        ) + full.type(1)
-    elif kind == "delta":
+        return np.unpackbits(np.frombuffer(data, np.uint8), count=count, bitorder="little") + np.uint8(1)
+    if kind == "delta":
         small = unshuffle_bytes(data, width)
         if small.size != count or small.dtype.itemsize >= full.itemsize:
             raise CorruptPatch(
                 f"delta section holds {small.size} {width}, header says {count} narrower than {full}"
             )
         escaped = small == np.iinfo(small.dtype).max
-        z = small.astype(full)
         big = _array(escapes, full)
         if big.size != int(np.count_nonzero(escaped)):
             raise CorruptPatch("escape list does not match the escaped values")
+        if not big.size:
+            return small
+        z = small.astype(full)
         z[escaped] = big
-    else:
-        raise CorruptPatch(f"unknown value encoding {kind!r}")
-    new_key = ordered(base_vals, is_float) + unzigzag(z)  # wraps mod 2**bits, as encoding did
-    return ordered(new_key.view(full), is_float).view(full)
+        return z
+    raise CorruptPatch(f"unknown value encoding {kind!r}")
 
 
 # ---------------------------------------------------------------- the near tier
@@ -1114,12 +1107,13 @@ def _scatter(
 ) -> None:
     """One stream of new values (kind, width, section, escapes) written at `positions`, the old
     values onto `undo`, both arrays into `written`."""
-    old = bits[positions]
-    changed = decode_values(*values, old, is_float)
-    _hash_array(written, positions)
-    _hash_array(written, changed)
+    kind, width, data, escapes = values
+    stream = decode_values(kind, width, data, escapes, positions.size, bits.dtype)
+    old, new = np.empty_like(bits, shape=positions.size), np.empty_like(bits, shape=positions.size)
+    patch_kernels.scatter_into(bits, positions, stream, kind == "raw", is_float, old, new)
     undo.append((bits, positions, old))
-    bits[positions] = changed
+    _hash_array(written, positions)
+    _hash_array(written, new)
 
 
 def _near_changes(name: str, bits: np.ndarray, dtype: torch.dtype, e: dict, parts: dict) -> np.ndarray:

@@ -104,3 +104,31 @@ def near_into(bits, magnitude_mask, limit, mantissa: int, bins: int, found, out)
         out[starts[exponents[i]]] = found[i]
         starts[exponents[i]] += 1
     return count
+
+
+@_compiled
+def scatter_into(bits, positions, stream, raw: bool, is_float: bool, old, new) -> None:
+    """Writes one value stream at `positions` of `bits`, the values there before into `old` and
+    after into `new`: the new bits themselves (`raw`), or zigzagged distances from the old
+    values' order-preserving keys (`fedrl.patch.ordered`), added mod 2**width as encoding
+    subtracted them. The arithmetic runs in uint64 with uint64 constants: numba turns a mix of
+    signs into float64."""
+    width = np.uint64(8 * bits.itemsize)
+    one = np.uint64(1)
+    top = width - one
+    all_ones = (one << top) - one + (one << top)  # 2**width - 1, without shifting 64 places
+    magnitude = (one << top) - one if is_float else np.uint64(0)  # what a key flips below the sign
+    for i in range(positions.size):
+        at = positions[i]
+        before = np.uint64(bits[at])
+        if raw:
+            after = np.uint64(stream[i])
+        else:
+            z = np.uint64(stream[i])
+            distance = (z >> one) ^ (all_ones if z & one else np.uint64(0))
+            key = before ^ (magnitude if (before >> top) & one else np.uint64(0))
+            moved = (key + distance) & all_ones
+            after = moved ^ (magnitude if (moved >> top) & one else np.uint64(0))
+        old[i] = before
+        new[i] = after
+        bits[at] = after

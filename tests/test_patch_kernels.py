@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedrl import patch_kernels
+from fedrl.patch import ordered, zigzag
 from fedrl.patch_kernels import BLOCK
 
 WIDTHS = [np.uint8, np.uint16, np.uint32, np.uint64]
@@ -21,7 +22,8 @@ def bit_arrays(draw):
     base = rng.integers(0, np.iinfo(width).max, size, dtype=width, endpoint=True)
     new = base.copy()
     flip = rng.random(size) < density
-    new[flip] ^= width(1) << width(rng.integers(0, 8 * np.dtype(width).itemsize))
+    low_bits = width(1) << width(rng.integers(0, 8 * np.dtype(width).itemsize))  # a bit, or any bits:
+    new[flip] ^= rng.integers(1, low_bits, flip.sum(), dtype=width, endpoint=True)  # ulps to sign flips
     return base, new
 
 
@@ -49,3 +51,24 @@ def test_near_positions_are_by_exponent_then_position(arrays, below):
     near = np.flatnonzero((bits & magnitude_mask) < limit)
     field = (bits[near] >> word(mantissa)) & word((1 << exponent) - 1)
     assert np.array_equal(out[:count], near[np.argsort(field, kind="stable")])
+
+
+@settings(max_examples=200, deadline=None)
+@given(bit_arrays(), st.booleans(), st.booleans(), st.integers(0, 2**32 - 1))
+def test_a_scatter_writes_what_the_encoder_measured(arrays, is_float, raw, seed):
+    """Distances taken by the encoder's numpy forms (`ordered`, `zigzag`), across zero and
+    wrapping, are added back by the kernel to exactly the new bits; raw streams are copied."""
+    base, target = arrays
+    positions = np.flatnonzero(np.random.default_rng(seed).random(base.size) < 0.5)
+    stream = (
+        target[positions]
+        if raw
+        else zigzag(ordered(target[positions], is_float) - ordered(base[positions], is_float))
+    )
+    bits = base.copy()
+    old, new = np.empty_like(bits, shape=positions.size), np.empty_like(bits, shape=positions.size)
+    patch_kernels.scatter_into(bits, positions, stream, raw, is_float, old, new)
+    assert np.array_equal(old, base[positions]) and np.array_equal(new, target[positions])
+    expected = base.copy()
+    expected[positions] = target[positions]
+    assert np.array_equal(bits, expected)
