@@ -407,21 +407,23 @@ def decode_indices(small: bytes, width: str, large: bytes, count: int, numel: in
         if len(large):
             raise CorruptPatch("Rice-coded gaps have no escapes")
         return _positions(rice_decode(small, _RICE_FORMS[width], count, numel), count, numel)
-    gaps = unshuffle_bytes(small, width)
-    if gaps.size != count:
-        raise CorruptPatch(f"index section holds {gaps.size} entries, header says {count}")
-    out = gaps.astype(np.int64)
-    if width != "uint64":
-        escaped = gaps == np.iinfo(width).max
-        big = _array(large, np.uint64)
-        if big.size != int(np.count_nonzero(escaped)):
-            raise CorruptPatch("escape list does not match the escaped gaps")
-        if big.size and int(big.max()) > numel:
-            raise CorruptPatch("index gap beyond the tensor")
-        out[escaped] = big.astype(np.int64)
-    elif count and int(gaps.max()) > numel:
-        raise CorruptPatch("index gap beyond the tensor")
-    return _positions(out, count, numel)
+    itemsize = np.dtype(width).itemsize
+    planes = _array(small, np.uint8)
+    if len(planes) != count * itemsize:
+        raise CorruptPatch(f"index section holds {len(planes) / itemsize:g} {width}, header says {count}")
+    escapes = _array(large, np.uint64) if itemsize < 8 else np.empty(0, np.uint64)
+    out = np.empty(count, np.int64)
+    found = patch_kernels.positions_from_gaps(planes, itemsize, count, escapes, numel, out)
+    if found != patch_kernels.GAPS_OK:
+        raise CorruptPatch(_GAP_FAULTS[found])
+    return out
+
+
+_GAP_FAULTS = {
+    patch_kernels.GAPS_ESCAPES_DIFFER: "escape list does not match the escaped gaps",
+    patch_kernels.GAPS_BEYOND: "index gap beyond the tensor",
+    patch_kernels.GAPS_OUT_OF_ORDER: "indices out of range or not strictly increasing",
+}
 
 
 def _positions(gaps: np.ndarray, count: int, numel: int) -> np.ndarray:

@@ -132,3 +132,41 @@ def scatter_into(bits, positions, stream, raw: bool, is_float: bool, old, new) -
         old[i] = before
         new[i] = after
         bits[at] = after
+
+
+# what `positions_from_gaps` found wrong, in the order the checks come (the first wins)
+GAPS_OK, GAPS_ESCAPES_DIFFER, GAPS_BEYOND, GAPS_OUT_OF_ORDER = 0, 1, 2, 3
+
+
+@_compiled
+def positions_from_gaps(planes, itemsize: int, count: int, escapes, numel: int, out) -> int:
+    """Flat positions into `out` from `count` gaps stored as `itemsize` byte planes (all low
+    bytes, then the next...), the first from 0; in widths under 8 bytes the largest value is an
+    escape, taken from `escapes` in order. Returns GAPS_OK, or what is wrong: the escapes do
+    not match the escaped gaps, an escaped (or 8-byte) gap lies beyond `numel`, or the positions
+    leave the tensor or do not increase."""
+    escaping = itemsize < 8
+    escape = np.uint64((1 << (8 * itemsize)) - 1) if escaping else np.uint64(0)
+    used, beyond, repeated, position = 0, False, False, np.int64(-1)
+    for i in range(count):
+        gap = np.uint64(0)
+        for b in range(itemsize):
+            gap |= np.uint64(planes[b * count + i]) << np.uint64(8 * b)
+        if escaping and gap == escape:
+            if used == escapes.size:
+                return GAPS_ESCAPES_DIFFER
+            gap = escapes[used]
+            used += 1
+            beyond |= gap > np.uint64(numel)
+        elif not escaping:
+            beyond |= gap > np.uint64(numel)
+        repeated |= i > 0 and gap == np.uint64(0)
+        position = np.int64(gap) if i == 0 else position + np.int64(gap)
+        out[i] = position
+    if used != escapes.size:
+        return GAPS_ESCAPES_DIFFER
+    if beyond:
+        return GAPS_BEYOND
+    if count and (position >= numel or repeated):
+        return GAPS_OUT_OF_ORDER
+    return GAPS_OK

@@ -598,6 +598,29 @@ def test_a_malformed_rice_stream_is_refused_by_name():
     assert np.array_equal(decode_indices(data, f"rice{k}", b"", 500, n), idx)
 
 
+def test_malformed_gaps_in_byte_planes_are_refused_by_name():
+    n, idx = 1 << 20, np.append(np.arange(1, 21), 300_000)  # small gaps, and one that escapes uint8
+    data, width, escapes = encode_indices(idx)
+    assert width == "uint8" and escapes
+    c = idx.size
+    refused = {
+        "escape list does not match the escaped gaps": [(data, escapes + bytes(8), c, n), (data, b"", c, n)],
+        "index gap beyond the tensor": [(data, struct.pack("<Q", n + 1), c, n)],
+        "out of range or not strictly increasing": [(data, escapes, c, int(idx[-1]))],
+        "index section holds": [(data[:-1], escapes, c, n), (data, escapes, c + 1, n)],
+    }
+    repeated = shuffle_bytes(np.array([3, 0, 5], np.dtype(width)))
+    refused["out of range or not strictly increasing"].append((repeated, b"", 3, n))
+    for reason, inputs in refused.items():
+        for bad, bad_escapes, count, numel in inputs:
+            with pytest.raises(CorruptPatch, match=reason):
+                decode_indices(bad, width, bad_escapes, count, numel)
+    assert np.array_equal(decode_indices(data, width, escapes, c, n), idx)
+    wide = shuffle_bytes(np.array([3, n], np.uint64))  # 8-byte gaps have no escapes: checked as they are
+    with pytest.raises(CorruptPatch, match="index gap beyond the tensor"):
+        decode_indices(wide, "uint64", b"", 2, n - 1)
+
+
 @pytest.mark.parametrize("step", [1e-4, 1e-3])
 def test_tiers_and_rice_codes_never_cost_a_small_adapter_version_bytes(step):
     """The tiny model's LoRA versions (512 values a tensor, bf16): the new forms must not be
