@@ -388,15 +388,12 @@ def rice_decode(data, k: int, count: int, numel: int) -> np.ndarray:
     if unary_bytes * 8 > (numel >> k) + count + 8:
         raise CorruptPatch("Rice quotients longer than the tensor allows")
     raw = np.frombuffer(data, np.uint8)
-    ones = np.flatnonzero(np.unpackbits(raw[:unary_bytes], bitorder="little"))
-    if ones.size != count or (count and unary_bytes != ones[-1] // 8 + 1) or (not count and unary_bytes):
-        raise CorruptPatch(f"Rice quotients hold {ones.size} gaps or stray bits, header says {count}")
+    gaps = np.empty(count, np.int64)
+    ones, last = patch_kernels.rice_gaps_into(raw, unary_bytes, k, count, gaps)
+    if ones != count or (count and unary_bytes != last // 8 + 1) or (not count and unary_bytes):
+        raise CorruptPatch(f"Rice quotients hold {ones} gaps or stray bits, header says {count}")
     if low_bytes and count * k % 8 and raw[-1] >> (count * k % 8):
         raise CorruptPatch("Rice low bits set past the last gap")
-    gaps = (np.diff(ones, prepend=-1) - 1) << k
-    low = np.unpackbits(raw[unary_bytes:], count=count * k, bitorder="little").reshape(count, k)
-    for bit in range(k):
-        gaps |= low[:, bit].astype(np.int64) << bit
     if count and int(gaps.max()) > numel:
         raise CorruptPatch("index gap beyond the tensor")
     return gaps

@@ -170,3 +170,33 @@ def positions_from_gaps(planes, itemsize: int, count: int, escapes, numel: int, 
     if count and (position >= numel or repeated):
         return GAPS_OUT_OF_ORDER
     return GAPS_OK
+
+
+@_compiled
+def rice_gaps_into(data, unary_bytes: int, k: int, count: int, out) -> tuple[int, int]:
+    """Rice-coded gaps (see `fedrl.patch.rice_encode`): the first `unary_bytes` of `data` hold
+    each gap's quotient in unary (that many 0 bits, then a 1), the rest every gap's `k` low
+    bits, least significant bit first. Returns how many 1 bits the unary stream holds and where
+    the last one is (-1: none); `out` gets the `count` gaps only when those are `count`."""
+    ones, previous = 0, -1
+    for at in range(unary_bytes):
+        byte = np.uint64(data[at])
+        while byte:
+            bit = 8 * at + np.int64(_trailing_zeros(byte))
+            if ones < count:
+                out[ones] = (bit - previous - 1) << k
+            previous = bit
+            ones += 1
+            byte &= byte - np.uint64(1)
+    if ones != count:
+        return ones, previous
+    end = data.size
+    for j in range(count):
+        first = j * k
+        low = np.int64(0)
+        for b in range(0, k + (first & 7), 8):  # the bytes holding bits first .. first + k - 1
+            at = unary_bytes + (first >> 3) + (b >> 3)
+            if at < end:
+                low |= np.int64(data[at]) << b
+        out[j] |= (low >> (first & 7)) & ((np.int64(1) << k) - 1)
+    return ones, previous
