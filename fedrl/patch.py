@@ -456,22 +456,6 @@ def _array(data, dtype) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)
 
 
-def ordered(bits: np.ndarray, is_float: bool) -> np.ndarray:
-    """Bit patterns as signed integers in the order of the values they encode (an involution):
-    the difference of two floats' keys is their exact distance in ulps, across zero too."""
-    signed = bits.view(bits.dtype.str.replace("u", "i"))
-    if not is_float:
-        return signed
-    magnitude = np.iinfo(signed.dtype).max
-    return signed ^ ((signed >> (8 * signed.dtype.itemsize - 1)) & signed.dtype.type(magnitude))
-
-
-def zigzag(diff: np.ndarray) -> np.ndarray:
-    """Signed -> unsigned with small magnitudes small: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ..."""
-    bits = diff.dtype.itemsize * 8
-    return ((diff << 1) ^ (diff >> (bits - 1))).view(diff.dtype.str.replace("i", "u"))
-
-
 def encode_values(
     base_vals: np.ndarray, new_vals: np.ndarray, is_float: bool
 ) -> tuple[str, str, bytes, bytes]:
@@ -479,19 +463,21 @@ def encode_values(
     is one ulp ("sign", the common case at RL learning rates), the zigzagged ulp distance in the
     narrowest width with the rest escaped ("delta"), or the new bits themselves ("raw")."""
     # wraps mod 2**bits, and so does decoding: exact for any pair of bit patterns
-    z = zigzag(ordered(new_vals, is_float) - ordered(base_vals, is_float))
-    if z.size == 0 or (int(z.min()) >= 1 and int(z.max()) <= 2):
-        return "sign", "bit", np.packbits(z == 2, bitorder="little").tobytes(), b""
     full = new_vals.dtype
-    best = ("raw", full.name, z.size * full.itemsize, None)
-    for width in (w for w in _WIDTHS if np.dtype(w).itemsize < full.itemsize):
-        escaped = z >= np.iinfo(width).max
-        size = z.size * np.dtype(width).itemsize + int(np.count_nonzero(escaped)) * full.itemsize
+    narrower = [w for w in _WIDTHS if np.dtype(w).itemsize < full.itemsize]
+    z, escapes = np.empty_like(new_vals), np.zeros(len(narrower), np.int64)
+    lowest, highest = patch_kernels.distances_into(base_vals, new_vals, is_float, z, escapes)
+    if z.size == 0 or (lowest >= 1 and highest <= 2):
+        return "sign", "bit", np.packbits(z == 2, bitorder="little").tobytes(), b""
+    best = ("raw", full.name, z.size * full.itemsize)
+    for width, escaped in zip(narrower, escapes):
+        size = z.size * np.dtype(width).itemsize + int(escaped) * full.itemsize
         if size < best[2]:
-            best = ("delta", np.dtype(width).name, size, escaped)
-    kind, width, _, escaped = best
+            best = ("delta", np.dtype(width).name, size)
+    kind, width, _ = best
     if kind == "raw":
         return kind, width, shuffle_bytes(new_vals), b""
+    escaped = z >= np.iinfo(width).max
     small = np.where(escaped, np.iinfo(width).max, z).astype(width)
     return kind, width, shuffle_bytes(small), z[escaped].tobytes()
 
@@ -539,37 +525,16 @@ def is_near(bits: np.ndarray, dtype: torch.dtype, below: int) -> np.ndarray:
     return (bits & bits.dtype.type((1 << (mantissa + exponent)) - 1)) < bits.dtype.type(below << mantissa)
 
 
-def _flag_bits(ones: np.ndarray, total: np.ndarray) -> np.ndarray:
-    """About what packed flags cost, `ones` of `total` set: their entropy, and what zstd's
-    byte-wise Huffman code pays over it (measured: ~0.04 bit a flag, 14% at 5% set)."""
-    q = np.clip(ones / np.maximum(total, 1), 1e-12, 1 - 1e-12)
-    return total * (0.04 - (q * np.log2(q) + (1 - q) * np.log2(1 - q)))
-
-
-def _gap_bits(changes: np.ndarray, numel: int) -> np.ndarray:
-    """About what gaps cost for `changes` positions spread over `numel` (zstd on the gap bytes)."""
-    changes = np.maximum(changes, 0)
-    return changes * (np.log2(numel / np.maximum(changes, 1)) + 1.5)
-
-
 def choose_near_tier(base_bits: np.ndarray, idx: np.ndarray, dtype: torch.dtype) -> int:
     """The exponent `below` which a tensor's changes travel as flags (0: no near tier).
 
-    Estimated, not tried: how many values sit under each exponent comes from a strided sample
-    of the base, how many of them changed from `idx`. A wrong guess costs bytes, never
-    exactness."""
+    Estimated, not tried (`patch_kernels.near_tier`): how many values sit under each exponent
+    comes from a strided sample of the base, how many of them changed from `idx`. A wrong guess
+    costs bytes, never exactness."""
     if dtype not in _FLOAT_LAYOUT or base_bits.size < 1024:
         return 0
     mantissa, exponent = _FLOAT_LAYOUT[dtype]
-    bins, numel = 1 << exponent, base_bits.size
-    field = lambda b: (b >> mantissa) & b.dtype.type(bins - 1)  # noqa: E731
-    sample = base_bits[:: max(1, numel // 16384)]
-    values_under = np.cumsum(np.bincount(field(sample), minlength=bins))[:-1] * (numel / sample.size)
-    changes_under = np.cumsum(np.bincount(field(base_bits[idx]), minlength=bins))[:-1]
-    values_under = np.maximum(values_under, changes_under)
-    tiered = _flag_bits(changes_under, values_under) + _gap_bits(idx.size - changes_under, numel) + 256
-    below = int(np.argmin(tiered)) + 1  # thresholds 1 .. bins-1
-    return below if tiered[below - 1] < 0.95 * _gap_bits(np.array(idx.size), numel) else 0
+    return patch_kernels.near_tier(base_bits, idx, mantissa, 1 << exponent, max(1, base_bits.size // 16384))
 
 
 # ---------------------------------------------------------------- encode

@@ -106,18 +106,48 @@ def near_into(bits, magnitude_mask, limit, mantissa: int, bins: int, found, out)
     return count
 
 
+@njit(inline="always")
+def _key(value, magnitude, top):
+    """A bit pattern's order-preserving key (an involution): floats below zero flip their
+    magnitude bits, so that key differences are ulp distances, across zero too."""
+    return value ^ (magnitude if (value >> top) & np.uint64(1) else np.uint64(0))
+
+
+@njit(inline="always")
+def _layout(bits, is_float):
+    """uint64 constants for `bits`'s width: its top bit's index, all its bits set, and the
+    magnitude bits a key flips (none for integers). The kernels' arithmetic runs in uint64:
+    numba turns a mix of signs into float64."""
+    one = np.uint64(1)
+    top = np.uint64(8 * bits.itemsize) - one
+    all_ones = (one << top) - one + (one << top)  # 2**width - 1, without shifting 64 places
+    return top, all_ones, (one << top) - one if is_float else np.uint64(0)
+
+
+@_compiled
+def distances_into(base, new, is_float: bool, z, at_least) -> tuple[int, int]:
+    """Each change's ulp distance (`new`'s key minus `base`'s, mod 2**width) zigzagged into
+    `z`: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ... Returns the smallest and largest, and adds to
+    `at_least[i]` how many are at least 2**(8 * 2**i) - 1 (escapes in a narrower width)."""
+    top, all_ones, magnitude = _layout(base, is_float)
+    lowest, highest = all_ones, np.uint64(0)
+    for i in range(base.size):
+        d = (_key(np.uint64(new[i]), magnitude, top) - _key(np.uint64(base[i]), magnitude, top)) & all_ones
+        zig = ((d << np.uint64(1)) & all_ones) ^ (all_ones if d >> top else np.uint64(0))
+        z[i] = zig
+        lowest, highest = min(lowest, zig), max(highest, zig)
+        for w in range(at_least.size):
+            at_least[w] += zig >= np.uint64((1 << (8 << w)) - 1)
+    return lowest, highest
+
+
 @_compiled
 def scatter_into(bits, positions, stream, raw: bool, is_float: bool, old, new) -> None:
     """Writes one value stream at `positions` of `bits`, the values there before into `old` and
     after into `new`: the new bits themselves (`raw`), or zigzagged distances from the old
-    values' order-preserving keys (`fedrl.patch.ordered`), added mod 2**width as encoding
-    subtracted them. The arithmetic runs in uint64 with uint64 constants: numba turns a mix of
-    signs into float64."""
-    width = np.uint64(8 * bits.itemsize)
+    values' keys (see `distances_into`), added mod 2**width as encoding subtracted them."""
+    top, all_ones, magnitude = _layout(bits, is_float)
     one = np.uint64(1)
-    top = width - one
-    all_ones = (one << top) - one + (one << top)  # 2**width - 1, without shifting 64 places
-    magnitude = (one << top) - one if is_float else np.uint64(0)  # what a key flips below the sign
     for i in range(positions.size):
         at = positions[i]
         before = np.uint64(bits[at])
@@ -126,9 +156,7 @@ def scatter_into(bits, positions, stream, raw: bool, is_float: bool, old, new) -
         else:
             z = np.uint64(stream[i])
             distance = (z >> one) ^ (all_ones if z & one else np.uint64(0))
-            key = before ^ (magnitude if (before >> top) & one else np.uint64(0))
-            moved = (key + distance) & all_ones
-            after = moved ^ (magnitude if (moved >> top) & one else np.uint64(0))
+            after = _key((_key(before, magnitude, top) + distance) & all_ones, magnitude, top)
         old[i] = before
         new[i] = after
         bits[at] = after
@@ -200,3 +228,42 @@ def rice_gaps_into(data, unary_bytes: int, k: int, count: int, out) -> tuple[int
                 low |= np.int64(data[at]) << b
         out[j] |= (low >> (first & 7)) & ((np.int64(1) << k) - 1)
     return ones, previous
+
+
+@_compiled
+def near_tier(bits, positions, mantissa: int, bins: int, stride: int) -> int:
+    """The exponent below which the changes at `positions` cost the fewest bits as flags over
+    the values there (the rest as gaps), or 0 when that saves under 5%: see
+    `fedrl.patch.choose_near_tier`. Values under each exponent are counted on every `stride`-th
+    value and scaled up."""
+    numel, changes = bits.size, positions.size
+    sampled, changed = np.zeros(bins, np.int64), np.zeros(bins, np.int64)
+    for at in range(0, numel, stride):
+        sampled[(np.int64(bits[at]) >> mantissa) & (bins - 1)] += 1
+    for i in range(changes):
+        changed[(np.int64(bits[positions[i]]) >> mantissa) & (bins - 1)] += 1
+    scale = numel / ((numel + stride - 1) // stride)
+    best, best_bits, values_under, changes_under = 0, np.inf, 0, 0
+    for below in range(1, bins):  # thresholds 1 .. bins-1: the values with exponent field < below
+        values_under += sampled[below - 1]
+        changes_under += changed[below - 1]
+        total = max(values_under * scale, changes_under)
+        cost = _flag_bits(changes_under, total) + _gap_bits(changes - changes_under, numel) + 256
+        if cost < best_bits:
+            best, best_bits = below, cost
+    return best if best_bits < 0.95 * _gap_bits(changes, numel) else 0
+
+
+@njit(inline="always")
+def _flag_bits(ones, total) -> float:
+    """About what packed flags cost, `ones` of `total` set: their entropy, and what zstd's
+    byte-wise Huffman code pays over it (measured: ~0.04 bit a flag, 14% at 5% set)."""
+    q = min(max(ones / max(total, 1.0), 1e-12), 1 - 1e-12)
+    return total * (0.04 - (q * np.log2(q) + (1 - q) * np.log2(1 - q)))
+
+
+@njit(inline="always")
+def _gap_bits(changes, numel) -> float:
+    """About what gaps cost for `changes` positions spread over `numel` (zstd on the gap bytes)."""
+    changes = max(changes, 0)
+    return changes * (np.log2(numel / max(changes, 1)) + 1.5)

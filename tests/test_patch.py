@@ -8,6 +8,7 @@ import torch
 import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ulp_keys import ordered
 
 import fedrl.patch
 from fedrl.patch import (
@@ -27,7 +28,6 @@ from fedrl.patch import (
     decode_indices,
     encode_indices,
     encode_patch,
-    ordered,
     read_header,
     rice_decode,
     rice_encode,

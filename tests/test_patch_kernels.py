@@ -4,9 +4,9 @@ unsigned width, at sizes around the block (tails, empty tensors) and at any dens
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ulp_keys import ordered, zigzag
 
 from fedrl import patch_kernels
-from fedrl.patch import ordered, zigzag
 from fedrl.patch_kernels import BLOCK
 
 WIDTHS = [np.uint8, np.uint16, np.uint32, np.uint64]
@@ -72,3 +72,17 @@ def test_a_scatter_writes_what_the_encoder_measured(arrays, is_float, raw, seed)
     expected = base.copy()
     expected[positions] = target[positions]
     assert np.array_equal(bits, expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(bit_arrays(), st.booleans())
+def test_distances_are_the_zigzagged_key_differences(arrays, is_float):
+    base, new = arrays
+    expected = zigzag(ordered(new, is_float) - ordered(base, is_float))
+    z, escapes = np.empty_like(new), np.zeros(3, np.int64)
+    lowest, highest = patch_kernels.distances_into(base, new, is_float, z, escapes)
+    assert np.array_equal(z, expected)
+    if z.size:
+        assert (lowest, highest) == (z.min(), z.max())
+    thresholds = [np.iinfo(w).max for w in (np.uint8, np.uint16, np.uint32)]
+    assert list(escapes) == [int(np.count_nonzero(expected >= t)) for t in thresholds]
