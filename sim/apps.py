@@ -30,6 +30,7 @@ def make_server_app(
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         run_cfg, sim_cfg = (cfg, sim) if cfg is not None else split_config(context.run_config)
+        run_cfg = run_cfg.in_run(context.run_id)
         summary = run_simulated(grid, run_cfg, sim_cfg or SimConfig(), progress)
         if results is not None:
             results.append(summary)

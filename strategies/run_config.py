@@ -162,3 +162,10 @@ class RunConfig(Schema):
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
         return cls.parse({k.replace("-", "_"): v for k, v in values.items()}, "run config")
+
+    def in_run(self, run_id: int) -> RunConfig:
+        """With "{run_id}" in its directories replaced by Flower's run id: `flwr run .`'s default
+        out-dir holds it, so that running it again makes a new run, where a fixed out-dir resumes
+        the run in it (and refuses to rerun one that finished)."""
+        dirs = ("out_dir", "checkpoint_dir", "state_dir")
+        return self.replace(**{k: getattr(self, k).replace("{run_id}", str(run_id)) for k in dirs})

@@ -18,7 +18,7 @@ def make_server_app(cfg: RunConfig | None = None, progress=None, results: list |
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        config = cfg or RunConfig.from_mapping(context.run_config)
+        config = (cfg or RunConfig.from_mapping(context.run_config)).in_run(context.run_id)
         if cfg is None:  # a deployment: the coordinator's events go to the ServerApp's log (`flwr log`)
             logging.getLogger("fedrl").setLevel(logging.INFO)
             if not logging.getLogger("fedrl").handlers:

@@ -5,6 +5,8 @@ import socket
 import ssl
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 from compose_file import service_argv, services
@@ -22,6 +24,16 @@ def test_the_deployment_app_accepts_every_run_config_key_with_its_default():
     app = {k.replace("-", "_"): v for k, v in app_config().items()}
     assert app == RunConfig().model_dump()
     RunConfig.from_mapping(app_config())  # and Flower's values parse as they are
+
+
+def test_run_id_in_a_directory_becomes_flowers_run_id():
+    """`flwr run .` twice made the same out-dir, and the second run was refused as a rerun of
+    the first: its default out-dir now holds the run id. A fixed one still resumes its run."""
+    cfg = RunConfig(out_dir="runs/flwr-{run_id}", checkpoint_dir="ck/{run_id}/c").in_run(42)
+    assert (cfg.out_dir, cfg.checkpoint_dir, cfg.state_dir) == ("runs/flwr-42", "ck/42/c", "")
+    assert RunConfig(out_dir="run").in_run(42).out_dir == "run"
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "{run_id}" in pyproject["tool"]["flwr"]["app"]["config"]["out-dir"]
 
 
 def test_run_config_refuses_unknown_keys_and_takes_ints_for_floats():
