@@ -13,6 +13,7 @@ Specs:
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -25,6 +26,7 @@ import torch
 from fedrl.tokenizer import CharTokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_LAYERS = 3  # the tiny models' depth, and their bases'
 # No model hub is ever needed: every model is built here or read from local files.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -86,7 +88,9 @@ class LoadedModel:
         self.tokenizer.save_pretrained(directory)
 
 
-def tiny_config(vocab_size: int, layers: int = 3, hidden: int = 64, heads: int = 4, max_positions: int = 64):
+def tiny_config(
+    vocab_size: int, layers: int = TINY_LAYERS, hidden: int = 64, heads: int = 4, max_positions: int = 64
+):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -117,13 +121,13 @@ def _fresh(spec: str, build, seed: int, alphabet: str | None) -> LoadedModel:
     return LoadedModel(model.eval(), tokenizer, spec)
 
 
-def tiny_model(seed: int = 0, layers: int = 3, alphabet: str | None = None) -> LoadedModel:
+def tiny_model(seed: int = 0, layers: int = TINY_LAYERS, alphabet: str | None = None) -> LoadedModel:
     from transformers import LlamaForCausalLM
 
     return _fresh("tiny", lambda vocab: LlamaForCausalLM(tiny_config(vocab, layers=layers)), seed, alphabet)
 
 
-def tiny_gpt_model(seed: int = 0, layers: int = 3, alphabet: str | None = None) -> LoadedModel:
+def tiny_gpt_model(seed: int = 0, layers: int = TINY_LAYERS, alphabet: str | None = None) -> LoadedModel:
     from fedrl.tiny_gpt import TinyGPT, TinyGPTConfig
 
     return _fresh(
@@ -220,6 +224,23 @@ def check_model_spec(spec: str) -> None:
         f"unknown model {spec!r}: use {', '.join([*TINY_MODELS, *BASES])}, "
         "smollm2-135m or a local model directory"
     )
+
+
+def model_layers(spec: str) -> int | None:
+    """How many layers the model of `spec` has, known without building it; None where only
+    building it would tell (SmolLM2 before its conversion, a directory whose config says it
+    otherwise)."""
+    from fedrl.base_checkpoint import BASES
+
+    if spec in TINY_MODELS or spec in BASES:
+        return TINY_LAYERS
+    directory = cache_dir() / spec if spec == "smollm2-135m" else Path(spec)
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    layers = config.get("num_hidden_layers", config.get("n_layer")) if isinstance(config, dict) else None
+    return layers if isinstance(layers, int) else None
 
 
 def load_model(spec: str, seed: int = 0) -> LoadedModel:

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import field_validator, model_validator
 
-from fedrl.models import check_model_spec
+from fedrl.models import check_model_spec, model_layers
 from fedrl.protocol import MODES, check_learner, check_upload_density, check_wire_dtype
 from fedrl.schema import Schema
 from fedrl.strategies.aggregation import AggregationConfig
@@ -110,6 +110,11 @@ class RunConfig(Schema):
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         check_learner(self)
         check_model_spec(self.model)  # a typo used to fail once the coordinator loaded it, 17 s in
+        layers = model_layers(self.model)  # more blocks than layers failed once the coordinator built them
+        if layers is not None and self.num_blocks > layers:
+            raise ValueError(
+                f"num_blocks={self.num_blocks}, but {self.model} has {layers} layers (one or more a block)"
+            )
         self.aggregation()  # its own checks: alpha, max_staleness, the clip and refuse multiples, robust
         self.block_scheduler()  # and its: schedule, 1 <= min_steps <= base_steps <= max_steps, seed
         at_least_one = ["versions", "buffer_size", "min_nodes", "eval_every", "anchor_every", "stall_replies"]

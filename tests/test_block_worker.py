@@ -132,6 +132,10 @@ def test_run_config_from_flower_style_keys_and_errors():
     # a model spec with a typo failed once the coordinator loaded it (17 s into `fedrl sim`)
     with pytest.raises(SchemaError, match="unknown model 'tiny-bsae': use tiny, tiny-gpt, tiny-base"):
         RunConfig.from_mapping({"model": "tiny-bsae"})
+    # more blocks than the model has layers failed once the coordinator built them (22 s in)
+    with pytest.raises(SchemaError, match="num_blocks=4, but tiny-base has 3 layers"):
+        RunConfig.from_mapping({"num-blocks": 4})
+    assert RunConfig.from_mapping({"num-blocks": 3}).num_blocks == 3
     # task parameters as `--set task_params='{...}'` or a TOML inline table give them: parsed, not text
     assert RunConfig.from_mapping({"task-params": {"length": 6}}).task_params == '{"length": 6}'
 

@@ -50,6 +50,23 @@ def test_unknown_model_spec_is_a_clear_error():
         load_model(os.devnull.rsplit("/", 1)[0])  # /dev: a directory, not a model
 
 
+def test_a_models_layers_are_known_before_it_is_built(tmp_path):
+    from fedrl.blocks import BlockPartition
+    from fedrl.lora import LoraSettings, add_lora
+    from fedrl.models import model_layers
+
+    for spec in ("tiny", "tiny-gpt"):  # what the run config checks num_blocks against: the built depth
+        built = add_lora(load_model(spec).model, LoraSettings(rank=2))
+        layers = model_layers(spec)
+        BlockPartition(built, layers)
+        with pytest.raises(ValueError, match="num_blocks must be in"):
+            BlockPartition(built, layers + 1)
+    assert model_layers("tiny-base") == model_layers("tiny-gpt-base") == model_layers("tiny")
+    (tmp_path / "config.json").write_text('{"n_layer": 12}')
+    assert model_layers(str(tmp_path)) == 12
+    assert model_layers(str(tmp_path / "nowhere")) is None  # only building it would tell
+
+
 @needs_smollm2
 def test_smollm2_without_its_package_is_refused_before_a_run_starts(tmp_path, monkeypatch):
     """Before: `fedrl sim --scenario smollm2-addition` after `pip install fedrl` failed once the
