@@ -122,9 +122,9 @@ def upload_limits(tensors: list) -> PatchLimits:
     return PatchLimits(max_patch_bytes=bound, max_body_bytes=bound)
 
 
+SPENT = ("bytes_up", "bytes_down", "control_up", "control_down")  # traffic, per client and in all
 # what a checkpointed adapter means, so a resume keeps them: the model it adapts and its shape and
 # scale; the seed (v0 is never checkpointed: the seeded build stands for it); the task of its evals
-SPENT = ("bytes_up", "bytes_down", "control_up", "control_down")  # traffic, per client and in all
 RESUME_KEEPS = ("model", "seed", "lora_rank", "lora_alpha", "task", "task_params")
 
 
