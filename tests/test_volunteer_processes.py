@@ -1,12 +1,13 @@
 """Volunteers on a real local deployment: `fedrl patch-store` (TLS), `flower-superlink` (TLS,
 SuperNode auth) and the operator's approver, no SuperNodes of the operator's own. Two
-volunteers join with `fedrl volunteer join INVITE` as processes. During one run, volunteer A is
-withdrawn with SIGINT mid-round (exit 0 once the coordinator, which records "left" at once, says
-goodbye) and joins again (it resumes from its cached state: with the run's top-1% uploads it
-pulls a small fraction of an anchor), and volunteer B is SIGKILLed and restarted (its cache is
-intact; it rejoins once Flower releases its old session and works again). Limits: learner
-threads, the upload cap and the memory cap (the kernel's, on each process of the node) are kept
-to.
+volunteers join with `fedrl volunteer join INVITE` as processes. During one run, volunteer B is
+SIGKILLed mid-round and restarted (its cache is intact; it rejoins once Flower releases its old
+session and works again), volunteer A is withdrawn with SIGINT mid-round (exit 0 once the
+coordinator, which records "left" at once, says goodbye), then B withdraws and A joins again
+(it resumes from its cached state: with the run's top-1% uploads it pulls a small fraction of an
+anchor). One volunteer at a time works through each comeback, so the run cannot end before it.
+Limits: learner threads, the upload cap and the memory cap (the kernel's, on each process of the
+node) are kept to.
 Then a revoked key, a bad invite and an unreachable coordinator fail clearly."""
 
 import json
@@ -103,24 +104,9 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
             task_params=json.dumps({"length": 8, "num_eval": 64}),
             upload_density=0.01,
         )
-        # A: withdrawn with SIGINT while it works on a round (its second or later)
-        wait_for(
-            lambda: a.working(2),
-            240,
-            "A working",
-        )
-        a.proc.send_signal(signal.SIGINT)
-        assert a.proc.wait(120) == 0, a.log()[-2000:]
-        assert a.status()["phase"] == "left" and a.status()["acknowledged"] is True
-        assert "left the federation cleanly (left, the coordinator said goodbye)" in a.log()
-        a.join()  # again, at once: it holds its last version on disk
-
-        # B: SIGKILLed mid-round, restarted; its cache survives
-        wait_for(
-            lambda: b.working(2),
-            240,
-            "B working",
-        )
+        # B: SIGKILLed mid-round and restarted at once; its cache survives. It gets back in only
+        # once the SuperLink lets its old session go (two missed heartbeats, up to a minute)
+        wait_for(lambda: b.working(2) and b.status()["synced_version"] >= 1, 240, "B working on v1")
         # B's memory cap is the kernel's on every process of its node, the ClientApp included
         node_procs = psutil.Process(b.proc.pid).children(recursive=True)
         limits = {p.rlimit(psutil.RLIMIT_DATA)[0] for p in node_procs}
@@ -131,8 +117,20 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
         b_rounds = b.status()["rounds"]
         b.join()
 
+        # A: withdrawn with SIGINT while it works on a round (its second or later). Nobody else
+        # works until B is back, so the run cannot end without B's comeback
+        wait_for(lambda: a.working(2), 240, "A working")
+        a.proc.send_signal(signal.SIGINT)
+        assert a.proc.wait(120) == 0, a.log()[-2000:]
+        assert a.status()["phase"] == "left" and a.status()["acknowledged"] is True
+        assert "left the federation cleanly (left, the coordinator said goodbye)" in a.log()
+        wait_for(lambda: b.status().get("rounds", 0) > b_rounds, 240, "B back at work")
+
+        # B withdraws in turn and A joins again: the run cannot end without A's comeback either
+        b.proc.send_signal(signal.SIGINT)
+        assert b.proc.wait(120) == 0, b.log()[-2000:]
+        a.join()  # it holds its last version on disk
         assert deployment.federation.wait_run(run_id, 500) == "finished:completed"
-        wait_for(lambda: b.status().get("rounds", 0) > b_rounds, 5, "B back at work")
     finally:
         for v in (a, b):
             if v.proc and v.proc.poll() is None:
