@@ -89,6 +89,11 @@ _FLOAT_LAYOUT = {  # mantissa and exponent bits: where a value's size sits in it
     torch.float64: (52, 11),
 }
 _WIDTHS = (np.uint8, np.uint16, np.uint32, np.uint64)
+# looked up once: np.iinfo and a dtype's name cost microseconds a call, and an encode asks
+# hundreds of times
+_LARGEST = {width: int(np.iinfo(width).max) for width in _WIDTHS}
+_ITEMSIZE = {width: np.dtype(width).itemsize for width in _WIDTHS}
+_NAME = {width: np.dtype(width).name for width in _WIDTHS}
 
 # What headers say over and over, in the words and order encode_patch writes them. Part of the
 # format: changing it changes FORMAT_VERSION.
@@ -289,31 +294,40 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
-def changed_positions(base_bits: np.ndarray, new_bits: np.ndarray) -> np.ndarray:
-    """Sorted flat positions where two bit patterns differ."""
+def changed_positions(
+    base_bits: np.ndarray, new_bits: np.ndarray, dtype: torch.dtype
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Sorted flat positions where two bit patterns differ, and the sample of the base's
+    exponents that the near tier's estimate takes (None where a tensor gets no tier)."""
     out = _SCRATCH.get("positions", base_bits.size, np.int64)
-    return out[: patch_kernels.changed_into(base_bits, new_bits, out)].copy()
+    sampled, stride, mantissa = np.zeros(1, np.int64), 0, 0  # stride 0: no sample
+    tiered = dtype in _FLOAT_LAYOUT and base_bits.size >= NEAR_MIN_NUMEL
+    if tiered:
+        mantissa, exponent = _FLOAT_LAYOUT[dtype]
+        sampled, stride = np.zeros(1 << exponent, np.int64), _sample_stride(base_bits.size)
+    count = patch_kernels.changed_into(base_bits, new_bits, out, stride, mantissa, sampled)
+    return out[:count].copy(), sampled if tiered else None
 
 
 def near_positions(bits: np.ndarray, dtype: torch.dtype, below: int) -> np.ndarray:
     """Flat positions of the values in the near tier (see `is_near`) in the order the tier lists
     them: by exponent, then by position. How often a value moves, and by how many ulps, follows
     its exponent, so flags and values of one exponent sit together and zstd codes each run near
-    its own rate (3-7% smaller patches on SmolLM2's blocks)."""
+    its own rate (3-7% smaller patches on SmolLM2's blocks). A view of a per-thread buffer,
+    which the next call overwrites: its callers use it at once."""
     mantissa, exponent = _FLOAT_LAYOUT[dtype]
-    word = bits.dtype.type
-    magnitude_mask, limit = word((1 << (mantissa + exponent)) - 1), word(below << mantissa)
+    magnitude_mask, limit = _near_limits(bits, dtype, below)
     found = _SCRATCH.get("found", bits.size, np.int64)
     out = _SCRATCH.get("positions", bits.size, np.int64)
     count = patch_kernels.near_into(bits, magnitude_mask, limit, mantissa, 1 << exponent, found, out)
-    return out[:count].copy()
+    return out[:count]
 
 
 # ---------------------------------------------------------------- index coding
 
 
 def _narrowest(max_value: int) -> type:
-    return next(w for w in _WIDTHS if max_value <= np.iinfo(w).max)
+    return next(w for w in _WIDTHS if max_value <= _LARGEST[w])
 
 
 def encode_indices(idx: np.ndarray) -> tuple[bytes, str, bytes]:
@@ -321,27 +335,21 @@ def encode_indices(idx: np.ndarray) -> tuple[bytes, str, bytes]:
     or Rice-coded ("riceK") when that is smaller still: zstd's byte-wise Huffman code pays up to
     a bit and a half a gap over the entropy of gaps spread as evenly as a sparse tier's far
     changes (geometric), where a Rice code pays a few hundredths; on clustered gaps zstd wins."""
-    gaps = np.diff(idx, prepend=0).astype(np.uint64)
-    if idx.size:
-        gaps[0] = idx[0]
-    best = None
-    for width in _WIDTHS:
-        sentinel = np.iinfo(width).max
-        escapes = int(np.count_nonzero(gaps >= sentinel)) if width is not np.uint64 else 0
-        size = gaps.size * np.dtype(width).itemsize + 8 * escapes
-        if best is None or size < best[0]:
-            best = (size, width, escapes)
-    _, width, escapes = best
+    gaps, escaped = np.empty(idx.size, np.uint64), np.zeros(len(_WIDTHS) - 1, np.int64)
+    patch_kernels.gaps_into(idx, gaps, escaped)
+    sizes = [gaps.size * _ITEMSIZE[w] + 8 * int(e) for w, e in zip(_WIDTHS, [*escaped, 0])]
+    width = _WIDTHS[int(np.argmin(sizes))]  # the first of the smallest
     if width is np.uint64:
         return shuffle_bytes(gaps), "uint64", b""
-    sentinel = np.iinfo(width).max
+    sentinel = _LARGEST[width]
     large = gaps >= sentinel
     small = np.where(large, sentinel, gaps).astype(width)
+    escapes = int(escaped[_WIDTHS.index(width)])
     if gaps.size >= RICE_MIN_GAPS:
         k, rice_bits = _rice_parameter(gaps)
         if rice_bits < 0.97 * (_zstd_bits(small) + 64 * escapes):
             return rice_encode(gaps, k), f"rice{k}", b""
-    return shuffle_bytes(small), np.dtype(width).name, gaps[large].tobytes() if escapes else b""
+    return shuffle_bytes(small), _NAME[width], gaps[large].tobytes() if escapes else b""
 
 
 RICE_MIN_GAPS = 1024  # below, a sample compressed alone overcharges zstd (a frame shares its tables)
@@ -367,13 +375,9 @@ def _rice_parameter(gaps: np.ndarray) -> tuple[int, int]:
 def rice_encode(gaps: np.ndarray, k: int) -> bytes:
     """Each gap g as g >> k in unary (that many 0 bits, then a 1) in one bit stream, then every
     g's k low bits in another: both streams decode with whole-array operations."""
-    quotients = (gaps >> np.uint64(k)).astype(np.int64)
-    unary = np.zeros(int(quotients.sum()) + gaps.size, dtype=bool)
-    unary[np.cumsum(quotients + 1) - 1] = True
-    low = np.empty((gaps.size, k), dtype=bool)
-    for bit in range(k):
-        low[:, bit] = (gaps >> np.uint64(bit)) & np.uint64(1)
-    return np.packbits(unary, bitorder="little").tobytes() + np.packbits(low, bitorder="little").tobytes()
+    unary_bits = int(np.sum(gaps >> np.uint64(k))) + gaps.size
+    out = np.zeros((unary_bits + 7) // 8 + (gaps.size * k + 7) // 8, np.uint8)
+    return out[: patch_kernels.rice_into(gaps, k, out)].tobytes()
 
 
 def rice_decode(data, k: int, count: int, numel: int) -> np.ndarray:
@@ -457,29 +461,33 @@ def _array(data, dtype) -> np.ndarray:
 
 
 def encode_values(
-    base_vals: np.ndarray, new_vals: np.ndarray, is_float: bool
-) -> tuple[str, str, bytes, bytes]:
-    """The smallest exact form of the changed values: one direction bit each when every change
-    is one ulp ("sign", the common case at RL learning rates), the zigzagged ulp distance in the
-    narrowest width with the rest escaped ("delta"), or the new bits themselves ("raw")."""
+    base_bits: np.ndarray, new_bits: np.ndarray, positions: np.ndarray, is_float: bool
+) -> tuple[str, str, bytes, bytes, np.ndarray]:
+    """The smallest exact form of the values changed at `positions`: one direction bit each when
+    every change is one ulp ("sign", the common case at RL learning rates), the zigzagged ulp
+    distance in the narrowest width with the rest escaped ("delta"), or the new bits themselves
+    ("raw"); and the new bits (what the changes hash covers)."""
     # wraps mod 2**bits, and so does decoding: exact for any pair of bit patterns
-    full = new_vals.dtype
-    narrower = [w for w in _WIDTHS if np.dtype(w).itemsize < full.itemsize]
-    z, escapes = np.empty_like(new_vals), np.zeros(len(narrower), np.int64)
-    lowest, highest = patch_kernels.distances_into(base_vals, new_vals, is_float, z, escapes)
+    full = new_bits.dtype
+    narrower = _WIDTHS[: _WIDTHS.index(full.type)]
+    z, after = np.empty(positions.size, full), np.empty(positions.size, full)
+    escapes = np.zeros(len(narrower), np.int64)
+    lowest, highest = patch_kernels.distances_into(
+        base_bits, new_bits, positions, is_float, z, after, escapes
+    )
     if z.size == 0 or (lowest >= 1 and highest <= 2):
-        return "sign", "bit", np.packbits(z == 2, bitorder="little").tobytes(), b""
-    best = ("raw", full.name, z.size * full.itemsize)
+        return "sign", "bit", np.packbits(z == 2, bitorder="little").tobytes(), b"", after
+    best = (None, z.size * full.itemsize)  # None: the new bits themselves
     for width, escaped in zip(narrower, escapes):
-        size = z.size * np.dtype(width).itemsize + int(escaped) * full.itemsize
-        if size < best[2]:
-            best = ("delta", np.dtype(width).name, size)
-    kind, width, _ = best
-    if kind == "raw":
-        return kind, width, shuffle_bytes(new_vals), b""
-    escaped = z >= np.iinfo(width).max
-    small = np.where(escaped, np.iinfo(width).max, z).astype(width)
-    return kind, width, shuffle_bytes(small), z[escaped].tobytes()
+        size = z.size * _ITEMSIZE[width] + int(escaped) * full.itemsize
+        if size < best[1]:
+            best = (width, size)
+    width = best[0]
+    if width is None:
+        return "raw", _NAME[full.type], shuffle_bytes(after), b"", after
+    escaped = z >= _LARGEST[width]
+    small = np.where(escaped, _LARGEST[width], z).astype(width)
+    return "delta", _NAME[width], shuffle_bytes(small), z[escaped].tobytes(), after
 
 
 def decode_values(kind: str, width: str, data, escapes, count: int, full) -> np.ndarray:
@@ -503,7 +511,7 @@ def decode_values(kind: str, width: str, data, escapes, count: int, full) -> np.
             raise CorruptPatch(
                 f"delta section holds {small.size} {width}, header says {count} narrower than {full}"
             )
-        escaped = small == np.iinfo(small.dtype).max
+        escaped = small == _LARGEST[small.dtype.type]
         big = _array(escapes, full)
         if big.size != int(np.count_nonzero(escaped)):
             raise CorruptPatch("escape list does not match the escaped values")
@@ -521,20 +529,37 @@ def decode_values(kind: str, width: str, data, escapes, count: int, full) -> np.
 def is_near(bits: np.ndarray, dtype: torch.dtype, below: int) -> np.ndarray:
     """Which values' exponent field is under `below` (|value| < 2^(below - bias)): their bits
     without the sign are ordered like their size."""
+    magnitude_mask, limit = _near_limits(bits, dtype, below)
+    return (bits & magnitude_mask) < limit
+
+
+def _near_limits(bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
+    """The mask of a value's magnitude bits, in `bits`'s word, and the bound of the near tier's."""
     mantissa, exponent = _FLOAT_LAYOUT[dtype]
-    return (bits & bits.dtype.type((1 << (mantissa + exponent)) - 1)) < bits.dtype.type(below << mantissa)
+    word = bits.dtype.type
+    return word((1 << (mantissa + exponent)) - 1), word(below << mantissa)
 
 
-def choose_near_tier(base_bits: np.ndarray, idx: np.ndarray, dtype: torch.dtype) -> int:
+NEAR_MIN_NUMEL = 1024  # smaller tensors get no near tier
+
+
+def _sample_stride(numel: int) -> int:
+    return max(1, numel // 16384)
+
+
+def choose_near_tier(
+    base_bits: np.ndarray, idx: np.ndarray, dtype: torch.dtype, sampled: np.ndarray | None
+) -> int:
     """The exponent `below` which a tensor's changes travel as flags (0: no near tier).
 
     Estimated, not tried (`patch_kernels.near_tier`): how many values sit under each exponent
-    comes from a strided sample of the base, how many of them changed from `idx`. A wrong guess
-    costs bytes, never exactness."""
-    if dtype not in _FLOAT_LAYOUT or base_bits.size < 1024:
+    comes from `sampled`, a strided sample of the base (`changed_positions`; None: no tier for
+    this tensor), how many of them changed from `idx`. A wrong guess costs bytes, never
+    exactness."""
+    if sampled is None:
         return 0
-    mantissa, exponent = _FLOAT_LAYOUT[dtype]
-    return patch_kernels.near_tier(base_bits, idx, mantissa, 1 << exponent, max(1, base_bits.size // 16384))
+    mantissa, _ = _FLOAT_LAYOUT[dtype]
+    return patch_kernels.near_tier(base_bits, idx, mantissa, sampled, _sample_stride(base_bits.size))
 
 
 # ---------------------------------------------------------------- encode
@@ -626,12 +651,12 @@ def _encode_joint(
         _check_alike(name, base[name], new[name])
     base_bits = np.concatenate([to_bits(base[n]) for n in members])
     new_bits = np.concatenate([to_bits(new[n]) for n in members])
-    idx = changed_positions(base_bits, new_bits)
+    idx, sampled = changed_positions(base_bits, new_bits, base[members[0]].dtype)
     ends = np.cumsum([base[n].numel() for n in members])
     touched = np.unique(np.searchsorted(ends, idx, side="right"))
     if touched.size < 2:
         return None
-    entry, parts, writes = _encode_changes(base_bits, new_bits, idx, base[members[0]].dtype)
+    entry, parts, writes = _encode_changes(base_bits, new_bits, idx, base[members[0]].dtype, sampled)
     dense = sum(to_bits(base[members[i]]).nbytes for i in touched)
     return (entry, parts, writes) if sum(len(data) for data in parts) < dense else None
 
@@ -650,42 +675,51 @@ def _encode_tensor(
     if b is not None:
         _check_alike(name, b, t)
         base_bits = to_bits(b)
-        idx = changed_positions(base_bits, new_bits)
+        idx, sampled = changed_positions(base_bits, new_bits, t.dtype)
         if idx.size == 0:
             return None, [], []
-        entry, parts, written = _encode_changes(base_bits, new_bits, idx, t.dtype)
+        entry, parts, written = _encode_changes(base_bits, new_bits, idx, t.dtype, sampled)
         if sum(len(data) for data in parts) < new_bits.nbytes:
             return entry, parts, written
     return {"mode": "dense", "count": int(new_bits.size)}, [new_bits.tobytes()], [new_bits]
 
 
 def _encode_changes(
-    base_bits: np.ndarray, new_bits: np.ndarray, idx: np.ndarray, dtype: torch.dtype
+    base_bits: np.ndarray,
+    new_bits: np.ndarray,
+    idx: np.ndarray,
+    dtype: torch.dtype,
+    sampled: np.ndarray | None,
 ) -> tuple[dict, list[bytes], list[np.ndarray]]:
     """A changed tensor as "sparse" (gaps and values) or "tiered" (near flags, then the same),
-    and what it writes: positions and new bits, far then near."""
-    below = choose_near_tier(base_bits, idx, dtype)
+    and what it writes: positions and new bits, far then near; `sampled`: see `changed_positions`."""
+    below = choose_near_tier(base_bits, idx, dtype, sampled)
     entry: dict = {"mode": "tiered" if below else "sparse", "count": int(idx.size)}
     if below:
         entry["below"] = below
         near = near_positions(base_bits, dtype, below)
-        moved = base_bits[near] != new_bits[near]
-        flags = np.packbits(moved, bitorder="little").tobytes()
-        near_changed = near[moved]
-        near_as, near_width, near_values, near_escapes = encode_values(
-            base_bits[near_changed], new_bits[near_changed], True
+        flags, near_changed, far = (
+            np.empty((near.size + 7) // 8, np.uint8),
+            np.empty_like(near),
+            np.empty_like(idx),
         )
-        idx = idx[~is_near(base_bits[idx], dtype, below)]  # the far changes, as gaps
+        moved, outside = patch_kernels.split_tier(
+            base_bits, new_bits, idx, near, *_near_limits(base_bits, dtype, below), flags, near_changed, far
+        )
+        near_changed, idx = near_changed[:moved], far[:outside]  # the far changes travel as gaps
+        near_as, near_width, near_values, near_escapes, near_new = encode_values(
+            base_bits, new_bits, near_changed, True
+        )
     index, index_width, index_escapes = encode_indices(idx)
-    kind, width, values, escapes = encode_values(base_bits[idx], new_bits[idx], dtype.is_floating_point)
+    kind, width, values, escapes, far_new = encode_values(base_bits, new_bits, idx, dtype.is_floating_point)
     entry.update(index_width=index_width, values_as=kind, value_width=width)
     sparse = [index, index_escapes, values, escapes]  # the order of _SECTIONS
-    written = [idx, new_bits[idx]]
+    written = [idx, far_new]
     if not below:
         return entry, sparse, written
     entry.update(near_as=near_as, near_width=near_width)
-    written += [near_changed, new_bits[near_changed]]
-    return entry, [flags, *sparse, near_values, near_escapes], written
+    written += [near_changed, near_new]
+    return entry, [flags.tobytes(), *sparse, near_values, near_escapes], written
 
 
 # ---------------------------------------------------------------- decode
@@ -738,7 +772,7 @@ _SECTIONS = {
     "sparse": _SPARSE_SECTIONS,
     "tiered": ("near_flags", *_SPARSE_SECTIONS, "near_values", "near_escapes"),  # sparse, plus the near tier
 }
-_WIDTH_NAMES = {np.dtype(w).name for w in _WIDTHS}
+_WIDTH_NAMES = set(_NAME.values())
 _VALUE_FORMS = {("sign", "bit")} | {(kind, width) for kind in ("delta", "raw") for width in _WIDTH_NAMES}
 
 
@@ -1091,4 +1125,4 @@ def _near_changes(name: str, bits: np.ndarray, dtype: torch.dtype, e: dict, part
     packed = np.frombuffer(flags, np.uint8)
     if near.size % 8 and packed[-1] >> (near.size % 8):
         raise CorruptPatch(f"{name}: flag bits set past the near values")
-    return near[np.unpackbits(packed, count=near.size, bitorder="little").view(bool)]
+    return near[: patch_kernels.flagged_into(near, packed)].copy()

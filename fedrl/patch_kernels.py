@@ -13,10 +13,11 @@ with 0.5% of the values near and 17.8 -> 9.0 ms with 1.9% (there the counting so
 exponent takes about half). A branch per block to skip empty ones, or a store per value with
 the count bumped by the test, ran at 8 ms where the mask ran at 3.8 (1.9% near, no sort).
 
-The passes over the changes (their ulp distances, the scatter that writes them, gaps to
-positions, Rice codes, the near tier's estimate) were a dozen numpy calls each on arrays of a
-few thousand entries: on that block, about 120 µs a tensor of Python and call overhead, more
-than the passes over every value took.
+The passes over the changes (their ulp distances, the scatter that writes them, the tier's
+split into flags and far changes, gaps and Rice codes both ways, the near tier's estimate) were
+a dozen numpy calls each on arrays of a few thousand entries: on that block, about 120 µs a
+tensor of Python and call overhead, more than the passes over every value took. Each kernel
+reads what it needs where it lies (positions into base and new), instead of gathered copies.
 
 The kernels write into buffers the caller owns and return how many entries they wrote.
 Compiled code is kept on disk beside this file (or in the user's cache directory): the first
@@ -80,13 +81,32 @@ def _under_mask(bits, magnitude_mask, limit, start, length):
 
 
 @_compiled
-def changed_into(base: np.ndarray, new: np.ndarray, out: np.ndarray) -> int:
-    """Writes the sorted positions where `base` and `new` differ into `out` (room for all)."""
+def changed_into(base, new, out, stride: int, mantissa: int, sampled) -> int:
+    """Writes the sorted positions where `base` and `new` differ into `out` (room for all).
+    With `stride` > 0 it also counts the exponent fields of `base`'s every `stride`-th value
+    into `sampled` (one bin each; the near tier's estimate) while their block is at hand: apart,
+    that sample's scattered reads took 1.2 ms of an encode's 12 on SmolLM2's block."""
     n, count = base.size, 0
     full = n - n % BLOCK
+    sample = 0 if stride > 0 else n
     for start in range(0, full, BLOCK):
         count = _write_set_bits(_differ_mask(base, new, start, BLOCK), start, out, count)
+        sample = _count_exponents(base, sample, min(start + BLOCK, n), stride, mantissa, sampled)
+    _count_exponents(base, sample, n, stride, mantissa, sampled)
     return _write_set_bits(_differ_mask(base, new, full, n - full), full, out, count)
+
+
+@njit(inline="always")
+def _count_exponents(bits, at, end, stride, mantissa, counts):
+    """Counts the exponent fields of `bits` at `at`, `at + stride` ... before `end`; the next `at`."""
+    while at < end:
+        counts[(np.int64(bits[at]) >> mantissa) & (counts.size - 1)] += 1
+        at += stride
+    return at
+
+
+EXPONENT_SHIFT = 48  # `near_into` keeps a value's exponent field above its position (< 2**48)
+POSITION_BITS = (1 << EXPONENT_SHIFT) - 1
 
 
 @_compiled
@@ -95,21 +115,46 @@ def near_into(bits, magnitude_mask, limit, mantissa: int, bins: int, found, out)
     under `limit` into `out`, ordered by exponent field, then position (a counting sort over
     the `bins` exponents); `found`: scratch with room for every position."""
     n, count = bits.size, 0
+    starts = np.zeros(bins + 1, np.int64)  # signed throughout: numba mixes signs into float64
     full = n - n % BLOCK
     for start in range(0, full, BLOCK):
-        count = _write_set_bits(_under_mask(bits, magnitude_mask, limit, start, BLOCK), start, found, count)
-    count = _write_set_bits(_under_mask(bits, magnitude_mask, limit, full, n - full), full, found, count)
-    exponents = np.empty(count, np.int64)  # signed throughout: numba mixes signs into float64
-    starts = np.zeros(bins + 1, np.int64)
-    for i in range(count):
-        exponents[i] = (np.int64(bits[found[i]]) >> mantissa) & (bins - 1)
-        starts[exponents[i] + 1] += 1
+        mask = _under_mask(bits, magnitude_mask, limit, start, BLOCK)
+        count = _write_near(bits, mask, start, mantissa, bins, found, count, starts)
+    mask = _under_mask(bits, magnitude_mask, limit, full, n - full)
+    count = _write_near(bits, mask, full, mantissa, bins, found, count, starts)
     for e in range(bins):
         starts[e + 1] += starts[e]
     for i in range(count):
-        out[starts[exponents[i]]] = found[i]
-        starts[exponents[i]] += 1
+        exponent = found[i] >> EXPONENT_SHIFT
+        out[starts[exponent]] = found[i] & POSITION_BITS
+        starts[exponent] += 1
     return count
+
+
+@njit(inline="always")
+def _write_near(bits, mask, start, mantissa, bins, found, count, starts):
+    """`_write_set_bits` that also counts each value's exponent field (read while the block is at
+    hand) and keeps it in `found` above the position, for the counting sort."""
+    while mask:
+        at = start + np.int64(_trailing_zeros(mask))
+        exponent = (np.int64(bits[at]) >> mantissa) & (bins - 1)
+        found[count] = at | (exponent << EXPONENT_SHIFT)
+        starts[exponent + 1] += 1
+        count += 1
+        mask &= mask - np.uint64(1)
+    return count
+
+
+@_compiled
+def flagged_into(positions, flags) -> int:
+    """Keeps, in place and in order, the `positions` whose flag is set (`flags` packed least
+    significant bit first); returns how many."""
+    kept = 0
+    for i in range(positions.size):
+        if (flags[i >> 3] >> (i & 7)) & 1:
+            positions[kept] = positions[i]
+            kept += 1
+    return kept
 
 
 @njit(inline="always")
@@ -131,20 +176,89 @@ def _layout(bits, is_float):
 
 
 @_compiled
-def distances_into(base, new, is_float: bool, z, at_least) -> tuple[int, int]:
-    """Each change's ulp distance (`new`'s key minus `base`'s, mod 2**width) zigzagged into
-    `z`: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ... Returns the smallest and largest, and adds to
-    `at_least[i]` how many are at least 2**(8 * 2**i) - 1 (escapes in a narrower width)."""
+def distances_into(base, new, positions, is_float: bool, z, after, at_least) -> tuple[int, int]:
+    """Each change's ulp distance at `positions` (`new`'s key minus `base`'s, mod 2**width)
+    zigzagged into `z`: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ..., and its new bits into `after`.
+    Returns the smallest and largest, and adds to `at_least[i]` how many are at least
+    2**(8 * 2**i) - 1 (escapes in a narrower width)."""
     top, all_ones, magnitude = _layout(base, is_float)
     lowest, highest = all_ones, np.uint64(0)
-    for i in range(base.size):
-        d = (_key(np.uint64(new[i]), magnitude, top) - _key(np.uint64(base[i]), magnitude, top)) & all_ones
+    for i in range(positions.size):
+        before, now = np.uint64(base[positions[i]]), np.uint64(new[positions[i]])
+        d = (_key(now, magnitude, top) - _key(before, magnitude, top)) & all_ones
         zig = ((d << np.uint64(1)) & all_ones) ^ (all_ones if d >> top else np.uint64(0))
         z[i] = zig
+        after[i] = now
         lowest, highest = min(lowest, zig), max(highest, zig)
-        for w in range(at_least.size):
-            at_least[w] += zig >= np.uint64((1 << (8 << w)) - 1)
+        _count_at_least(zig, at_least)
     return lowest, highest
+
+
+@njit(inline="always")
+def _count_at_least(value, at_least):
+    for w in range(at_least.size):
+        at_least[w] += value >= np.uint64((1 << (8 << w)) - 1)
+
+
+@_compiled
+def split_tier(base, new, changed, near, magnitude_mask, limit, flags, near_changed, far) -> tuple[int, int]:
+    """A tiered tensor's changes, split: for each near value (`near`, in the tier's order) a
+    flag, packed least significant bit first into `flags`, set where it changed, and those
+    positions into `near_changed`; the changes outside the tier (`changed`, sorted) into `far`.
+    Returns how many near and far changes it wrote."""
+    flags[:] = 0
+    moved = 0
+    for i in range(near.size):
+        at = near[i]
+        if base[at] != new[at]:
+            flags[i >> 3] |= np.uint8(1 << (i & 7))
+            near_changed[moved] = at
+            moved += 1
+    outside = 0
+    for i in range(changed.size):
+        at = changed[i]
+        if (base[at] & magnitude_mask) >= limit:
+            far[outside] = at
+            outside += 1
+    return moved, outside
+
+
+@_compiled
+def gaps_into(positions, gaps, at_least) -> None:
+    """Sorted positions as gaps (the first from 0) into `gaps`, adding to `at_least[i]` how many
+    are at least 2**(8 * 2**i) - 1 (escapes in a narrower width)."""
+    previous = np.int64(0)
+    for i in range(positions.size):
+        gap = np.uint64(positions[i] - previous)
+        gaps[i] = gap
+        previous = positions[i]
+        _count_at_least(gap, at_least)
+
+
+@_compiled
+def rice_into(gaps, k: int, out) -> int:
+    """Rice codes of `gaps` into `out` (zeroed, room for both streams; see
+    `fedrl.patch.rice_encode`): each quotient in unary, then every gap's k low bits. Returns
+    the bytes written."""
+    bit = np.int64(0)
+    for i in range(gaps.size):
+        bit += np.int64(gaps[i] >> np.uint64(k))
+        out[bit >> 3] |= np.uint8(1 << (bit & 7))
+        bit += 1
+    at = (bit + 7) >> 3  # the low bits start on the next whole byte, k at a time through `held`
+    held, filled, low = np.uint64(0), np.uint64(0), (np.uint64(1) << np.uint64(k)) - np.uint64(1)
+    for i in range(gaps.size):  # k <= 40: at most 7 + 40 bits are ever held
+        held |= (gaps[i] & low) << filled
+        filled += np.uint64(k)
+        while filled >= np.uint64(8):
+            out[at] = np.uint8(held & np.uint64(255))
+            held >>= np.uint64(8)
+            filled -= np.uint64(8)
+            at += 1
+    if filled:
+        out[at] = np.uint8(held)
+        at += 1
+    return at
 
 
 @_compiled
@@ -237,15 +351,13 @@ def rice_gaps_into(data, unary_bytes: int, k: int, count: int, out) -> tuple[int
 
 
 @_compiled
-def near_tier(bits, positions, mantissa: int, bins: int, stride: int) -> int:
+def near_tier(bits, positions, mantissa: int, sampled, stride: int) -> int:
     """The exponent below which the changes at `positions` cost the fewest bits as flags over
     the values there (the rest as gaps), or 0 when that saves under 5%: see
-    `fedrl.patch.choose_near_tier`. Values under each exponent are counted on every `stride`-th
-    value and scaled up."""
-    numel, changes = bits.size, positions.size
-    sampled, changed = np.zeros(bins, np.int64), np.zeros(bins, np.int64)
-    for at in range(0, numel, stride):
-        sampled[(np.int64(bits[at]) >> mantissa) & (bins - 1)] += 1
+    `fedrl.patch.choose_near_tier`. `sampled`: how many of every `stride`-th value have each
+    exponent field (`changed_into` counts them), scaled up."""
+    numel, changes, bins = bits.size, positions.size, sampled.size
+    changed = np.zeros(bins, np.int64)
     for i in range(changes):
         changed[(np.int64(bits[positions[i]]) >> mantissa) & (bins - 1)] += 1
     scale = numel / ((numel + stride - 1) // stride)

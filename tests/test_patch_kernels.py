@@ -27,13 +27,31 @@ def bit_arrays(draw):
     return base, new
 
 
+FLOAT_LAYOUT = {2: (7, 8), 4: (23, 8), 8: (52, 11)}  # mantissa and exponent bits by width (bf16)
+
+
+def exponent_fields(bits: np.ndarray) -> np.ndarray:
+    mantissa, exponent = FLOAT_LAYOUT[bits.dtype.itemsize]
+    return ((bits >> bits.dtype.type(mantissa)) & bits.dtype.type((1 << exponent) - 1)).astype(np.int64)
+
+
 @settings(max_examples=200, deadline=None)
-@given(bit_arrays())
-def test_changed_positions_are_where_the_patterns_differ(arrays):
+@given(bit_arrays(), st.integers(0, 70))
+def test_changed_positions_are_where_the_patterns_differ_and_the_sample_is_strided(arrays, stride):
     base, new = arrays
     out = np.full(base.size, -1, np.int64)
-    count = patch_kernels.changed_into(base, new, out)
+    if base.dtype.itemsize == 1:  # no float is one byte wide: no sample
+        stride, mantissa, sampled = 0, 0, np.zeros(1, np.int64)
+    else:
+        mantissa, exponent = FLOAT_LAYOUT[base.dtype.itemsize]
+        sampled = np.zeros(1 << exponent, np.int64)
+    count = patch_kernels.changed_into(base, new, out, stride, mantissa, sampled)
     assert np.array_equal(out[:count], np.flatnonzero(base != new))
+    if stride:
+        expected = np.bincount(exponent_fields(base[::stride]), minlength=sampled.size)
+        assert np.array_equal(sampled, expected)
+    else:
+        assert not sampled.any()
 
 
 @settings(max_examples=200, deadline=None)
@@ -42,7 +60,7 @@ def test_near_positions_are_by_exponent_then_position(arrays, below):
     bits, _ = arrays
     if bits.dtype.itemsize == 1:
         return  # no float is one byte wide
-    mantissa, exponent = {2: (7, 8), 4: (23, 8), 8: (52, 11)}[bits.dtype.itemsize]
+    mantissa, exponent = FLOAT_LAYOUT[bits.dtype.itemsize]
     below %= 1 << exponent
     word = bits.dtype.type
     magnitude_mask, limit = word((1 << (mantissa + exponent)) - 1), word(below << mantissa)
@@ -74,15 +92,75 @@ def test_a_scatter_writes_what_the_encoder_measured(arrays, is_float, raw, seed)
     assert np.array_equal(bits, expected)
 
 
+def some_positions(size: int, seed: int) -> np.ndarray:
+    return np.flatnonzero(np.random.default_rng(seed).random(size) < 0.5)
+
+
 @settings(max_examples=200, deadline=None)
-@given(bit_arrays(), st.booleans())
-def test_distances_are_the_zigzagged_key_differences(arrays, is_float):
+@given(bit_arrays(), st.booleans(), st.integers(0, 2**32 - 1))
+def test_distances_are_the_zigzagged_key_differences(arrays, is_float, seed):
     base, new = arrays
-    expected = zigzag(ordered(new, is_float) - ordered(base, is_float))
-    z, escapes = np.empty_like(new), np.zeros(3, np.int64)
-    lowest, highest = patch_kernels.distances_into(base, new, is_float, z, escapes)
-    assert np.array_equal(z, expected)
+    positions = some_positions(base.size, seed)
+    expected = zigzag(ordered(new[positions], is_float) - ordered(base[positions], is_float))
+    z, after, escapes = np.empty_like(expected), np.empty_like(expected), np.zeros(3, np.int64)
+    lowest, highest = patch_kernels.distances_into(base, new, positions, is_float, z, after, escapes)
+    assert np.array_equal(z, expected) and np.array_equal(after, new[positions])
     if z.size:
         assert (lowest, highest) == (z.min(), z.max())
     thresholds = [np.iinfo(w).max for w in (np.uint8, np.uint16, np.uint32)]
     assert list(escapes) == [int(np.count_nonzero(expected >= t)) for t in thresholds]
+
+
+@settings(max_examples=200, deadline=None)
+@given(bit_arrays(), st.integers(0, 2**32 - 1))
+def test_a_tier_split_flags_the_near_values_that_changed_and_keeps_the_rest_as_far(arrays, seed):
+    base, new = arrays
+    rng = np.random.default_rng(seed)
+    word = base.dtype.type
+    magnitude_mask = word(_all_ones(base.dtype) >> 1)
+    limit = word(rng.integers(0, _all_ones(base.dtype) >> 1, dtype=base.dtype, endpoint=True))
+    is_near = (base & magnitude_mask) < limit
+    near = rng.permutation(np.flatnonzero(is_near))  # the tier's order is the caller's
+    changed = np.flatnonzero(base != new)
+    flags, near_changed, far = (
+        np.full((near.size + 7) // 8, 255, np.uint8),
+        np.empty_like(near),
+        np.empty_like(changed),
+    )
+    moved, outside = patch_kernels.split_tier(
+        base, new, changed, near, magnitude_mask, limit, flags, near_changed, far
+    )
+    differs = base[near] != new[near]
+    assert np.array_equal(flags, np.packbits(differs, bitorder="little"))
+    assert np.array_equal(near_changed[:moved], near[differs])
+    assert np.array_equal(far[:outside], changed[~is_near[changed]])
+    kept = near.copy()  # the decoder's way back: the flagged positions, in the tier's order
+    assert np.array_equal(kept[: patch_kernels.flagged_into(kept, flags)], near[differs])
+
+
+def _all_ones(dtype) -> int:
+    return int(np.iinfo(dtype).max)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 2**36), max_size=300), st.integers(0, 40))
+def test_gaps_and_rice_codes_are_numpys(steps, k):
+    positions = np.cumsum(np.array(steps, np.int64)) - 1  # from 0, strictly increasing
+    gaps, escapes = np.empty(positions.size, np.uint64), np.zeros(3, np.int64)
+    patch_kernels.gaps_into(positions, gaps, escapes)
+    expected = np.diff(positions, prepend=0).astype(np.uint64)
+    assert np.array_equal(gaps, expected)
+    thresholds = [np.iinfo(w).max for w in (np.uint8, np.uint16, np.uint32)]
+    assert list(escapes) == [int(np.count_nonzero(expected >= t)) for t in thresholds]
+    # Rice codes: quotients in unary (0s, then a 1), then the k low bits of each, as bit streams
+    small = gaps[gaps >> np.uint64(k) < 4096]  # a unary stream of reasonable length
+    quotients = (small >> np.uint64(k)).astype(np.int64)
+    unary = np.zeros(int(quotients.sum()) + small.size, dtype=bool)
+    unary[np.cumsum(quotients + 1) - 1] = True
+    low = (small[:, None] >> np.arange(k, dtype=np.uint64)) & np.uint64(1)
+    reference = (
+        np.packbits(unary, bitorder="little").tobytes()
+        + np.packbits(low.astype(bool), bitorder="little").tobytes()
+    )
+    out = np.zeros(len(reference), np.uint8)
+    assert out[: patch_kernels.rice_into(small, k, out)].tobytes() == reference
