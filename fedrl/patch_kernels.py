@@ -91,7 +91,7 @@ def changed_into(base, new, out, stride: int, mantissa: int, sampled) -> int:
     sample = 0 if stride > 0 else n
     for start in range(0, full, BLOCK):
         count = _write_set_bits(_differ_mask(base, new, start, BLOCK), start, out, count)
-        sample = _count_exponents(base, sample, min(start + BLOCK, n), stride, mantissa, sampled)
+        sample = _count_exponents(base, sample, start + BLOCK, stride, mantissa, sampled)
     _count_exponents(base, sample, n, stride, mantissa, sampled)
     return _write_set_bits(_differ_mask(base, new, full, n - full), full, out, count)
 
@@ -134,7 +134,9 @@ def near_into(bits, magnitude_mask, limit, mantissa: int, bins: int, found, out)
 @njit(inline="always")
 def _write_near(bits, mask, start, mantissa, bins, found, count, starts):
     """`_write_set_bits` that also counts each value's exponent field (read while the block is at
-    hand) and keeps it in `found` above the position, for the counting sort."""
+    hand) and keeps it in `found` above the position, for the counting sort. Against reading
+    the exponents again after the pass, on SmolLM2's block: 4.3 -> 3.0 ms with 1% of the values
+    near, 12.9 -> 9.7 ms with 7.5%."""
     while mask:
         at = start + np.int64(_trailing_zeros(mask))
         exponent = (np.int64(bits[at]) >> mantissa) & (bins - 1)
