@@ -326,10 +326,6 @@ def near_positions(bits: np.ndarray, dtype: torch.dtype, below: int) -> np.ndarr
 # ---------------------------------------------------------------- index coding
 
 
-def _narrowest(max_value: int) -> type:
-    return next(w for w in _WIDTHS if max_value <= _LARGEST[w])
-
-
 def encode_indices(idx: np.ndarray) -> tuple[bytes, str, bytes]:
     """Sorted flat indices -> their gaps, in the width that minimises bytes (escapes as uint64)
     or Rice-coded ("riceK") when that is smaller still: zstd's byte-wise Huffman code pays up to
