@@ -5,7 +5,7 @@ The two passes over every value (where base and new differ; the near tier's posi
 tensor's bit patterns once, BLOCK values at a time: a compare over the block, in a loop of
 fixed length that LLVM vectorises, makes a 64-bit mask, and only its set bits are visited
 (count-trailing-zeros). At RL learning rates about 1% of a tensor's values change and 0.5-2%
-are near (see `fedrl.patch.is_near`), so most of the time goes to reading. Over SmolLM2's
+are near (see `fedrl.patch._near_limits`), so most of the time goes to reading. Over SmolLM2's
 6-layer block (21M bf16 values, its tensors laid end to end; a warm memcpy of them: 2.7 ms),
 against the numpy whole-array steps they replace (a temporary per step, then `flatnonzero`
 over the mask): changed positions 7.3 -> 4.1 ms; near positions by exponent 9.5 -> 3.3 ms
@@ -263,25 +263,83 @@ def rice_into(gaps, k: int, out) -> int:
     return at
 
 
+# how a value stream travels (see `fedrl.patch.encode_values`), and what `scatter_into` found wrong
+VALUES_RAW, VALUES_SIGN, VALUES_DELTA = 0, 1, 2
+SCATTER_OK, SCATTER_ESCAPES_DIFFER, SCATTER_IN_NEAR_TIER = 0, 1, 2
+
+
+@njit(inline="always")
+def _from_planes(planes, itemsize, count, i):
+    """Entry i of `count` unsigned values stored as `itemsize` byte planes (all low bytes first)."""
+    value = np.uint64(0)
+    for b in range(itemsize):
+        value |= np.uint64(planes[b * count + i]) << np.uint64(8 * b)
+    return value
+
+
 @_compiled
-def scatter_into(bits, positions, stream, raw: bool, is_float: bool, old, new) -> None:
-    """Writes one value stream at `positions` of `bits`, the values there before into `old` and
-    after into `new`: the new bits themselves (`raw`), or zigzagged distances from the old
-    values' keys (see `distances_into`), added mod 2**width as encoding subtracted them."""
+def planes_into(values, itemsize: int, planes, escapes) -> None:
+    """`values` in a narrower width as `itemsize` byte planes into `planes` (read back by
+    `_from_planes`), the width's largest value standing for any value at least that large,
+    which goes into `escapes` in order (the caller counted them: see `_count_at_least`)."""
+    count = values.size
+    escape = (np.uint64(1) << np.uint64(8 * itemsize)) - np.uint64(1)
+    escaped = 0
+    for i in range(count):
+        value = np.uint64(values[i])
+        if value >= escape:
+            escapes[escaped] = value
+            escaped += 1
+            value = escape
+        for b in range(itemsize):
+            planes[b * count + i] = np.uint8((value >> np.uint64(8 * b)) & np.uint64(255))
+
+
+@_compiled
+def scatter_into(
+    bits, positions, data, kind: int, itemsize: int, escapes, is_float, magnitude_mask, limit, old, new
+):
+    """Writes one value stream, as it travels in `data`, at `positions` of `bits`, the values
+    there before into `old` and after into `new`. VALUES_RAW: the new bits in `itemsize` byte
+    planes; VALUES_SIGN: one bit a value (least significant first), set for +1 ulp, clear for -1;
+    VALUES_DELTA: zigzagged ulp distances from the old values' keys (see `distances_into`) in
+    `itemsize` byte planes, the width's largest value an escape taken from `escapes` in order.
+
+    Checks before it writes anything, and returns SCATTER_OK or what is wrong: the escapes do
+    not match the escaped values (a stream that escapes nothing has none), or a value at a
+    position lies under `limit` in magnitude (a far change in the near tier; limit 0: none)."""
+    count = positions.size
+    escape = (np.uint64(1) << np.uint64(8 * itemsize)) - np.uint64(1) if itemsize < 8 else ~np.uint64(0)
+    escaped = 0
+    for i in range(count):
+        if (np.uint64(bits[positions[i]]) & magnitude_mask) < limit:
+            return SCATTER_IN_NEAR_TIER
+        if kind == VALUES_DELTA and _from_planes(data, itemsize, count, i) == escape:
+            escaped += 1
+    if escaped != escapes.size:
+        return SCATTER_ESCAPES_DIFFER
     top, all_ones, magnitude = _layout(bits, is_float)
     one = np.uint64(1)
-    for i in range(positions.size):
+    escaped = 0
+    for i in range(count):
         at = positions[i]
         before = np.uint64(bits[at])
-        if raw:
-            after = np.uint64(stream[i])
+        if kind == VALUES_SIGN:
+            z = one + ((np.uint64(data[i >> 3]) >> np.uint64(i & 7)) & one)
         else:
-            z = np.uint64(stream[i])
+            z = _from_planes(data, itemsize, count, i)
+        if kind == VALUES_RAW:
+            after = z
+        else:
+            if kind == VALUES_DELTA and z == escape:
+                z = np.uint64(escapes[escaped])
+                escaped += 1
             distance = (z >> one) ^ (all_ones if z & one else np.uint64(0))
             after = _key((_key(before, magnitude, top) + distance) & all_ones, magnitude, top)
         old[i] = before
         new[i] = after
         bits[at] = after
+    return SCATTER_OK
 
 
 # what `positions_from_gaps` found wrong, in the order the checks come (the first wins)
@@ -299,9 +357,7 @@ def positions_from_gaps(planes, itemsize: int, count: int, escapes, numel: int, 
     escape = np.uint64((1 << (8 * itemsize)) - 1) if escaping else np.uint64(0)
     used, beyond, repeated, position = 0, False, False, np.int64(-1)
     for i in range(count):
-        gap = np.uint64(0)
-        for b in range(itemsize):
-            gap |= np.uint64(planes[b * count + i]) << np.uint64(8 * b)
+        gap = _from_planes(planes, itemsize, count, i)
         if escaping and gap == escape:
             if used == escapes.size:
                 return GAPS_ESCAPES_DIFFER

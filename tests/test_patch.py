@@ -1,4 +1,5 @@
 import json
+import re
 import struct
 from unittest import mock
 
@@ -534,6 +535,54 @@ def test_a_hand_made_tiered_patch_applies_and_each_inconsistency_is_refused():
     for reason, (bad, _) in refused.items():
         with pytest.raises(CorruptPatch, match=reason):
             apply_patch({"w": base}, bad)
+
+
+def with_sections(patch: bytes, edit) -> bytes:
+    """The patch with `edit(header, sections)` applied to its header and its list of sections."""
+    body = body_of(patch)
+    (hlen,) = struct.unpack_from("<I", body)
+    header, at, sections = json.loads(body[4 : 4 + hlen]), 4 + hlen, []
+    for size in (size for e in header["tensors"] for size in e["sizes"]):
+        sections.append(body[at : at + size])
+        at += size
+    edit(header, sections)
+    for e, start in zip(header["tensors"], np.cumsum([0] + [len(e["sizes"]) for e in header["tensors"]])):
+        e["sizes"] = [len(x) for x in sections[start : start + len(e["sizes"])]]
+    raw = json.dumps(header).encode()
+    return rewrap(struct.pack("<I", len(raw)) + raw + b"".join(sections))
+
+
+def test_a_value_stream_that_does_not_fit_its_header_is_refused_by_name():
+    base = {"w": torch.ones(4096, dtype=torch.bfloat16)}
+    new = {"w": base["w"].clone()}
+    steps = new["w"].view(torch.int16)
+    steps[[10, 700, 3000]] += 1
+    steps[50] -= 1
+    steps[2000] += 300  # escapes uint8's distances
+    patch = encode_patch(base, new, 0, 1)
+    entry = read_header(patch).tensors[0]
+    assert (entry["mode"], entry["values_as"], entry["value_width"]) == ("sparse", "delta", "uint8")
+
+    def entry_says(**fields):
+        return lambda header, sections: header["tensors"][0].update(fields)
+
+    def escapes(data):
+        return lambda header, sections: sections.__setitem__(3, data)
+
+    refused = {
+        "w: escape list does not match the escaped values": [escapes(b""), escapes(bytes(4))],
+        "sign bits for 5 values need 1 bytes, got 5": [entry_says(values_as="sign", value_width="bit")],
+        "raw values are uint8, the tensor's bits are uint16": [entry_says(values_as="raw")],
+        "delta values are uint16, not a width narrower than uint16": [entry_says(value_width="uint16")],
+        "value section holds 4 uint8, header says 5": [
+            lambda header, sections: sections.__setitem__(2, sections[2][:4])
+        ],
+    }
+    for reason, edits in refused.items():
+        for edit in edits:
+            with pytest.raises(CorruptPatch, match=re.escape(reason)):
+                apply_patch(base, with_sections(patch, edit))
+    assert bits_equal(apply_patch(base, with_sections(patch, lambda header, sections: None)), new)
 
 
 def test_a_near_tier_is_only_for_floats_and_their_own_exponents():

@@ -71,25 +71,97 @@ def test_near_positions_are_by_exponent_then_position(arrays, below):
     assert np.array_equal(out[:count], near[np.argsort(field, kind="stable")])
 
 
-@settings(max_examples=200, deadline=None)
-@given(bit_arrays(), st.booleans(), st.booleans(), st.integers(0, 2**32 - 1))
-def test_a_scatter_writes_what_the_encoder_measured(arrays, is_float, raw, seed):
-    """Distances taken by the encoder's numpy forms (`ordered`, `zigzag`), across zero and
-    wrapping, are added back by the kernel to exactly the new bits; raw streams are copied."""
+def planes(values: np.ndarray, width) -> np.ndarray:
+    """Values in `width` as byte planes (all low bytes, then the next...), as streams travel."""
+    itemsize = np.dtype(width).itemsize
+    return np.ascontiguousarray(values.astype(width).view(np.uint8).reshape(-1, itemsize).T).reshape(-1)
+
+
+KINDS = {
+    "raw": patch_kernels.VALUES_RAW,
+    "sign": patch_kernels.VALUES_SIGN,
+    "delta": patch_kernels.VALUES_DELTA,
+}
+NOTHING = (np.uint64(0), np.uint64(0))  # no magnitude lies under 0: no tier to stay outside
+
+
+@settings(max_examples=300, deadline=None)
+@given(bit_arrays(), st.booleans(), st.sampled_from(sorted(KINDS)), st.integers(0, 2**32 - 1))
+def test_a_scatter_writes_each_stream_as_it_travels(arrays, is_float, kind, seed):
+    """Streams in the encoder's numpy forms (`ordered`, `zigzag`: distances across zero and
+    wrapping; byte planes; escapes in a narrower width) are written back to exactly the new
+    bits, the old ones kept."""
     base, target = arrays
-    positions = np.flatnonzero(np.random.default_rng(seed).random(base.size) < 0.5)
-    stream = (
-        target[positions]
-        if raw
-        else zigzag(ordered(target[positions], is_float) - ordered(base[positions], is_float))
-    )
+    rng = np.random.default_rng(seed)
+    positions = some_positions(base.size, seed)
+    target = target.copy()
+    if kind == "sign":  # one ulp either way at each position
+        step = rng.choice([-1, 1], positions.size).astype(ordered(base, is_float).dtype)
+        moved = (ordered(base[positions], is_float) + step).view(base.dtype)
+        target[positions] = ordered(moved, is_float).view(base.dtype)
+    z = zigzag(ordered(target[positions], is_float) - ordered(base[positions], is_float))
+    escapes, itemsize = np.empty(0, base.dtype), base.dtype.itemsize
+    if kind == "raw":
+        data = planes(target[positions], base.dtype)
+    elif kind == "sign":
+        data, itemsize = np.packbits(z == 2, bitorder="little"), 0
+    else:
+        narrower = [w for w in WIDTHS if np.dtype(w).itemsize < base.dtype.itemsize]
+        if not narrower:
+            return  # a byte-wide tensor's distances travel raw
+        width = narrower[rng.integers(len(narrower))]
+        largest = np.iinfo(width).max
+        escaped = z >= largest
+        data, escapes, itemsize = (
+            planes(np.where(escaped, largest, z), width),
+            z[escaped],
+            np.dtype(width).itemsize,
+        )
     bits = base.copy()
     old, new = np.empty_like(bits, shape=positions.size), np.empty_like(bits, shape=positions.size)
-    patch_kernels.scatter_into(bits, positions, stream, raw, is_float, old, new)
+    fault = patch_kernels.scatter_into(
+        bits, positions, data, KINDS[kind], itemsize, escapes, is_float, *NOTHING, old, new
+    )
+    assert fault == patch_kernels.SCATTER_OK
     assert np.array_equal(old, base[positions]) and np.array_equal(new, target[positions])
     expected = base.copy()
     expected[positions] = target[positions]
     assert np.array_equal(bits, expected)
+
+
+def test_a_scatter_refuses_before_it_writes_anything():
+    base = np.arange(1, 11, dtype=np.uint16) << np.uint16(7)  # exponent fields 1..10 as bf16 bits
+    positions = np.array([2, 5, 8])
+    one_escape = planes(np.array([3, 255, 1]), np.uint8)  # the middle value escapes uint8
+    cases = {
+        "escape missing": (one_escape, "delta", 1, np.empty(0, np.uint16), NOTHING),
+        "escape extra": (one_escape, "delta", 1, np.array([9, 9], np.uint16), NOTHING),
+        "escapes to a raw stream": (
+            planes(base[positions], np.uint16),
+            "raw",
+            2,
+            np.array([9], np.uint16),
+            NOTHING,
+        ),
+        "a position in the near tier": (
+            one_escape,
+            "delta",
+            1,
+            np.array([9], np.uint16),
+            (np.uint64(0x7FFF), np.uint64(9 << 7)),  # positions 2, 5, 8 hold exponents 3, 6, 9: all under 9
+        ),
+    }
+    for reason, (data, kind, itemsize, escapes, outside) in cases.items():
+        bits = base.copy()
+        old, new = np.zeros(3, np.uint16), np.zeros(3, np.uint16)
+        fault = patch_kernels.scatter_into(
+            bits, positions, data, KINDS[kind], itemsize, escapes, True, *outside, old, new
+        )
+        expected = (
+            patch_kernels.SCATTER_IN_NEAR_TIER if "tier" in reason else patch_kernels.SCATTER_ESCAPES_DIFFER
+        )
+        assert fault == expected, reason
+        assert np.array_equal(bits, base), reason
 
 
 def some_positions(size: int, seed: int) -> np.ndarray:
@@ -164,3 +236,22 @@ def test_gaps_and_rice_codes_are_numpys(steps, k):
     )
     out = np.zeros(len(reference), np.uint8)
     assert out[: patch_kernels.rice_into(small, k, out)].tobytes() == reference
+
+
+@settings(max_examples=200, deadline=None)
+@given(bit_arrays(), st.integers(0, 2))
+def test_narrowed_planes_escape_what_does_not_fit_and_read_back(arrays, narrower):
+    values, _ = arrays
+    widths = [w for w in WIDTHS if np.dtype(w).itemsize < values.dtype.itemsize]
+    if not widths:
+        return  # nothing is narrower than a byte
+    width = widths[narrower % len(widths)]
+    largest = np.iinfo(width).max
+    escaped = values >= largest
+    out, escapes = (
+        np.empty(values.size * np.dtype(width).itemsize, np.uint8),
+        np.empty(escaped.sum(), values.dtype),
+    )
+    patch_kernels.planes_into(values, np.dtype(width).itemsize, out, escapes)
+    assert np.array_equal(out, planes(np.where(escaped, largest, values), width))
+    assert np.array_equal(escapes, values[escaped])
