@@ -311,11 +311,13 @@ def scatter_into(
     count = positions.size
     escape = (np.uint64(1) << np.uint64(8 * itemsize)) - np.uint64(1) if itemsize < 8 else ~np.uint64(0)
     escaped = 0
-    for i in range(count):
-        if (np.uint64(bits[positions[i]]) & magnitude_mask) < limit:
-            return SCATTER_IN_NEAR_TIER
-        if kind == VALUES_DELTA and _from_planes(data, itemsize, count, i) == escape:
-            escaped += 1
+    if limit:  # a read at every position: skipped for streams with no tier to stay outside
+        for i in range(count):
+            if (np.uint64(bits[positions[i]]) & magnitude_mask) < limit:
+                return SCATTER_IN_NEAR_TIER
+    if kind == VALUES_DELTA:
+        for i in range(count):
+            escaped += _from_planes(data, itemsize, count, i) == escape
     if escaped != escapes.size:
         return SCATTER_ESCAPES_DIFFER
     top, all_ones, magnitude = _layout(bits, is_float)
