@@ -578,10 +578,13 @@ def test_a_value_stream_that_does_not_fit_its_header_is_refused_by_name():
             lambda header, sections: sections.__setitem__(2, sections[2][:4])
         ],
     }
+    snapshot = {"w": base["w"].clone()}
     for reason, edits in refused.items():
         for edit in edits:
-            with pytest.raises(CorruptPatch, match=re.escape(reason)):
-                apply_patch(base, with_sections(patch, edit))
+            for in_place in (False, True):
+                with pytest.raises(CorruptPatch, match=re.escape(reason)):
+                    apply_patch(base, with_sections(patch, edit), in_place=in_place)
+                assert bits_equal(base, snapshot)  # a stream refused halfway is put back
     assert bits_equal(apply_patch(base, with_sections(patch, lambda header, sections: None)), new)
 
 

@@ -119,49 +119,43 @@ def test_a_scatter_writes_each_stream_as_it_travels(arrays, is_float, kind, seed
         )
     bits = base.copy()
     old, new = np.empty_like(bits, shape=positions.size), np.empty_like(bits, shape=positions.size)
-    fault = patch_kernels.scatter_into(
+    fault, wrote = patch_kernels.scatter_into(
         bits, positions, data, KINDS[kind], itemsize, escapes, is_float, *NOTHING, old, new
     )
-    assert fault == patch_kernels.SCATTER_OK
+    assert (fault, wrote) == (patch_kernels.SCATTER_OK, positions.size)
     assert np.array_equal(old, base[positions]) and np.array_equal(new, target[positions])
     expected = base.copy()
     expected[positions] = target[positions]
     assert np.array_equal(bits, expected)
 
 
-def test_a_scatter_refuses_before_it_writes_anything():
-    base = np.arange(1, 11, dtype=np.uint16) << np.uint16(7)  # exponent fields 1..10 as bf16 bits
-    positions = np.array([2, 5, 8])
+def test_a_scatter_stops_at_a_fault_and_keeps_what_it_overwrote():
+    base = np.array([1, 1, 6, 1, 1, 3, 1, 1, 9, 1], np.uint16) << np.uint16(7)  # exponent fields, bf16
+    positions = np.array([2, 5, 8])  # exponents 6, 3, 9
     one_escape = planes(np.array([3, 255, 1]), np.uint8)  # the middle value escapes uint8
-    cases = {
-        "escape missing": (one_escape, "delta", 1, np.empty(0, np.uint16), NOTHING),
-        "escape extra": (one_escape, "delta", 1, np.array([9, 9], np.uint16), NOTHING),
+    fine = np.array([9], np.uint16)
+    tier = (np.uint64(0x7FFF), np.uint64(4 << 7))  # magnitudes under exponent 4: the middle one
+    escapes_differ, in_tier = patch_kernels.SCATTER_ESCAPES_DIFFER, patch_kernels.SCATTER_IN_NEAR_TIER
+    cases = {  # data, kind, itemsize, escapes, tier -> fault, values written
+        "escape missing": ((one_escape, "delta", 1, np.empty(0, np.uint16), NOTHING), (escapes_differ, 1)),
+        "escape extra": ((one_escape, "delta", 1, np.array([9, 9], np.uint16), NOTHING), (escapes_differ, 3)),
         "escapes to a raw stream": (
-            planes(base[positions], np.uint16),
-            "raw",
-            2,
-            np.array([9], np.uint16),
-            NOTHING,
+            (planes(base[positions], np.uint16), "raw", 2, fine, NOTHING),
+            (escapes_differ, 3),
         ),
-        "a position in the near tier": (
-            one_escape,
-            "delta",
-            1,
-            np.array([9], np.uint16),
-            (np.uint64(0x7FFF), np.uint64(9 << 7)),  # positions 2, 5, 8 hold exponents 3, 6, 9: all under 9
-        ),
+        "a position in the near tier": ((one_escape, "delta", 1, fine, tier), (in_tier, 1)),
+        "none": ((one_escape, "delta", 1, fine, NOTHING), (patch_kernels.SCATTER_OK, 3)),
     }
-    for reason, (data, kind, itemsize, escapes, outside) in cases.items():
+    for reason, ((data, kind, itemsize, escapes, outside), expected) in cases.items():
         bits = base.copy()
         old, new = np.zeros(3, np.uint16), np.zeros(3, np.uint16)
-        fault = patch_kernels.scatter_into(
+        fault, wrote = patch_kernels.scatter_into(
             bits, positions, data, KINDS[kind], itemsize, escapes, True, *outside, old, new
         )
-        expected = (
-            patch_kernels.SCATTER_IN_NEAR_TIER if "tier" in reason else patch_kernels.SCATTER_ESCAPES_DIFFER
-        )
-        assert fault == expected, reason
-        assert np.array_equal(bits, base), reason
+        assert (fault, wrote) == expected, reason
+        untouched = np.setdiff1d(np.arange(base.size), positions[:wrote])
+        assert np.array_equal(bits[untouched], base[untouched]), reason
+        assert np.array_equal(old[:wrote], base[positions[:wrote]]), reason
 
 
 def some_positions(size: int, seed: int) -> np.ndarray:
