@@ -3,6 +3,7 @@ import re
 import struct
 from unittest import mock
 
+import blake3
 import numpy as np
 import pytest
 import torch
@@ -478,6 +479,16 @@ def tiered_patch(base: torch.Tensor, below: int, near_flags: bytes, far: list[in
     }
     raw = json.dumps(header).encode()
     return rewrap(struct.pack("<I", len(raw)) + raw + b"".join(sections)), down
+
+
+def test_the_changes_hash_is_blake3_of_each_array_after_its_length_whatever_their_sizes():
+    rng = np.random.default_rng(0)
+    arrays = [  # around the size where arrays stop being joined, and empty ones
+        rng.integers(0, 2**16, n, dtype=np.uint16) for n in (0, 3, 32767, 32768, 32769, 100_000, 5, 0)
+    ] + [np.arange(9000, dtype=np.int64)]
+    for order in (arrays, arrays[::-1], arrays[3:6]):
+        reference = blake3.blake3(b"".join(struct.pack("<Q", a.nbytes) + a.tobytes() for a in order))
+        assert changes_hash(order) == reference.hexdigest(length=16)
 
 
 def test_checking_the_changes_hashes_no_whole_tensor_and_refuses_a_base_wrong_where_it_writes():
