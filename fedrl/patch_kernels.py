@@ -17,7 +17,8 @@ The passes over the changes (their ulp distances, the scatter that writes them, 
 split into flags and far changes, gaps and Rice codes both ways, the near tier's estimate) were
 a dozen numpy calls each on arrays of a few thousand entries: on that block, about 120 µs a
 tensor of Python and call overhead, more than the passes over every value took. Each kernel
-reads what it needs where it lies (positions into base and new), instead of gathered copies.
+reads what it needs where it lies (positions into base and new, a value stream's byte planes
+or sign bits as they travel), instead of gathered copies or arrays rebuilt first.
 
 The kernels write into buffers the caller owns and return how many entries they wrote.
 Compiled code is kept on disk beside this file (or in the user's cache directory): the first
