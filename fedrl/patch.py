@@ -1134,7 +1134,7 @@ def _scatter(
 ) -> None:
     """One stream of new values (kind, width, section, escapes) written at `positions`, the old
     values onto `undo`, both arrays into `written`; `outside`: a magnitude mask and a bound that
-    no value at `positions` may lie under (uint64). Refused with `bits` as they were."""
+    no value at `positions` may lie under (uint64). Refused with what it wrote on `undo`."""
     kind, width, data, escapes = values
     code, itemsize = _value_stream(kind, width, data, positions.size, bits.dtype)
     old, new = np.empty(positions.size, bits.dtype), np.empty(positions.size, bits.dtype)
@@ -1142,10 +1142,9 @@ def _scatter(
     fault, wrote = patch_kernels.scatter_into(
         bits, positions, stream, code, itemsize, large, is_float, *outside, old, new
     )
+    undo.append((bits, positions[:wrote], old[:wrote]))  # a fault stops it part way: `apply_patch` undoes
     if fault:
-        bits[positions[:wrote]] = old[:wrote]
         raise CorruptPatch(f"{name}: {_SCATTER_FAULTS[fault]}")
-    undo.append((bits, positions, old))
     written.add(positions)
     written.add(new)
 

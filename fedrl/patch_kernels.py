@@ -309,8 +309,9 @@ def scatter_into(
     Returns SCATTER_OK or what is wrong, and how many values it wrote: the escapes do not match
     the escaped values (a stream that escapes nothing has none), or a value at a position lies
     under `limit` in magnitude (a far change in the near tier; limit 0: none). On a fault the
-    caller puts back the `old` values it wrote: one pass, where checking first took two (a
-    1M-change patch's scatters: 7.8-9.8 ms checking first, 6.7-7.0 in one pass)."""
+    caller puts back the `old` values it wrote (the undo it keeps anyway): one pass, where
+    checking first took two (a 1M-change patch's scatters: 7.8-9.8 ms checking first, 6.7-7.0 in
+    one pass)."""
     count = positions.size
     escape = (np.uint64(1) << np.uint64(8 * itemsize)) - np.uint64(1) if itemsize < 8 else ~np.uint64(0)
     top, all_ones, magnitude = _layout(bits, is_float)
