@@ -143,7 +143,9 @@ class DirectionCheck:
         ref = self.reference(version, state, names)
         dot = sum(float((ref[n] * delta[n].float()).sum()) for n in names)
         norms = update_norm(ref) * update_norm(delta)
-        cosine = dot / norms if norms > 0 else 0.0
+        if norms == 0:  # no direction to judge (an update of zeros): it joins no record or spread
+            return 0.0, None, None
+        cosine = dot / norms
         count, total = self.records.get(client, (0, 0.0))
         count, total = count + 1, total + cosine
         self.records[client] = (count, total)

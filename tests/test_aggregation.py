@@ -185,10 +185,26 @@ def test_the_norm_refusal_needs_peers_and_can_be_off():
     cfg = AggregationConfig(refuse_multiple=10.0)
     assert outlier_reason(1e6, [1.0, 1.0], cfg) is None  # too few norms to call anything an outlier
     assert "1000000x the median" in outlier_reason(1e6, [1.0, 1.0, 1.0], cfg)
-    assert "infinitely" in outlier_reason(1.0, [0.0, 0.0, 0.0], cfg)  # zero updates all round
+    assert outlier_reason(1e6, [0.0] * 8 + [1.0, 1.0], cfg) is None  # two step sizes: too few
     assert outlier_reason(1e6, [1.0] * 8, AggregationConfig()) is None  # off by default here
     with pytest.raises(ValueError, match="refuse_multiple"):
         AggregationConfig(refuse_multiple=0.5)
+
+
+def test_updates_of_zeros_say_nothing_about_step_sizes():
+    """A collapsed policy's clients send exact zeros round after round (every group scored
+    alike). The median of their norms is 0: an update that still learned must be neither
+    refused as infinitely far beyond it nor clipped to nothing; the median is over the updates
+    that moved something."""
+    cfg = AggregationConfig(clip_multiple=1.0, refuse_multiple=10.0)
+    history = [0.0] * 20 + [0.8, 1.0, 1.2]
+    assert outlier_reason(1.1, history, cfg) is None
+    assert "is 20x the median 1" in outlier_reason(20.0, history, cfg)
+    assert norm_bound([0.0, 1.1], cfg, history) == pytest.approx(1.05)
+    learned = Update(1, 0, {"w": torch.full((4,), 1.5)}, 10, 0)  # norm 3
+    merged = aggregate_block([learned], cfg, norm_bound([learned.unit_norm], cfg, history))["w"]
+    assert float(merged.norm()) == pytest.approx(1.1)  # clipped to the median step size, not to zero
+    assert norm_bound([0.0, 0.0], cfg, [0.0] * 5) is None  # nothing moved: nothing to clip to
 
 
 def _trajectory(steps: int, seed: int) -> dict[int, dict[str, torch.Tensor]]:

@@ -103,6 +103,29 @@ def test_an_update_weighs_its_cosine_with_the_reference_and_nothing_below_zero(a
     assert flat.weight(-0.3) == flat.weight(0.3) == 1.0
 
 
+def test_an_update_of_zeros_joins_no_record_and_does_not_shrink_the_spread(adapter, reversal):
+    """A collapsed policy's clients send updates of exact zeros (every group scored alike). They
+    have no direction: were their cosines of 0 recorded, they would pull the spread toward 0 and
+    make a slight lean of the clients that still learn look like strong evidence."""
+    state, names = dict(adapter.initial), adapter.part.names(1)
+    g = torch.Generator().manual_seed(2)
+    rng = np.random.default_rng(2)
+    honest = [rng.normal(0.05, 0.05) for _ in range(16)]
+    learning = DirectionCheck(adapter, reversal, problems=8, threshold=1.5, seed=0)
+    ref = learning.reference(0, state, names)
+    zeros = {n: torch.zeros_like(t) for n, t in ref.items()}
+    for client, lean in enumerate(honest):
+        learning.check(client, 0, state, leaning(ref, lean, g))
+    before = (learning.state_dict(), robust_spread(learning.recent))
+    for _ in range(50):
+        assert learning.check(99, 0, state, zeros) == (0.0, None, None)
+        assert learning.check(0, 0, state, zeros) == (0.0, None, None)
+    assert (learning.state_dict(), robust_spread(learning.recent)) == before
+    # a client that leans slightly away is judged against the learning clients' spread alone
+    cosine, z, reason = learning.check(3, 0, state, leaning(ref, -0.02, g))
+    assert reason is None and z > -1.5, (cosine, z)
+
+
 def test_evidence_and_spread():
     assert evidence(4, -0.2, 0.05) == pytest.approx(-2.0)
     assert robust_spread([0.0, 0.0, 1.0, -1.0, 100.0]) == pytest.approx(1.4826)
