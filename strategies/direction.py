@@ -143,7 +143,7 @@ class DirectionCheck:
         ref = self.reference(version, state, names)
         dot = sum(float((ref[n] * delta[n].float()).sum()) for n in names)
         norms = update_norm(ref) * update_norm(delta)
-        if norms == 0:  # no direction to judge (an update of zeros): it joins no record or spread
+        if norms == 0:  # no direction to judge (an update, or a reference, of zeros): no record, no spread
             return 0.0, None, None
         cosine = dot / norms
         count, total = self.records.get(client, (0, 0.0))
