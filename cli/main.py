@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from fedrl.arguments import PORT, future_time, integer, number
+from fedrl.deploy.supernode_timing import HEARTBEAT_RANGE, HEARTBEAT_S
 
 
 def cmd_models(args) -> int:
@@ -127,14 +128,19 @@ def cmd_certs(args) -> int:
 
 def supernode(supernode_args: list[str]) -> int:
     from fedrl.deploy.federation import flwr_env, tool
+    from fedrl.deploy.supernode_timing import split_args, supernode_argv, timing_parser
     from fedrl.deploy.warm_clientapp import exec_with_launcher
 
-    argv = [tool("flower-supernode"), *supernode_args]
     if {"-h", "--help", "-V", "--version"} & set(supernode_args):
         # Flower prints and exits: a launcher would only preload torch (and hold the output open
         # until it notices its parent is gone)
+        if not {"-V", "--version"} & set(supernode_args):
+            own = timing_parser(prog="fedrl supernode", add_help=False).format_help()
+            print(f"fedrl's own options; the rest are flower-supernode's:\n{own}", flush=True)
+        argv = [tool("flower-supernode"), *supernode_args]
         os.execve(argv[0], argv, flwr_env())
-    exec_with_launcher(argv, flwr_env())
+    timing, flower_args = split_args(supernode_args)
+    exec_with_launcher(supernode_argv(flower_args, timing.poll_s, timing.heartbeat_s), flwr_env())
     return 1  # not reached: the process is the SuperNode now
 
 
@@ -268,7 +274,15 @@ def cmd_volunteer(args) -> int:
             print(probe_table(run_probe(invite, str(home.ca_file), limits)))
         return 1 if failed(checks) else 0
     until = time.time() + args.hours * 3600 if args.hours else (args.until or 0.0)
-    return join(invite, limits, args.home, args.on_exit, until, approval_timeout_s=args.approval_timeout)
+    return join(
+        invite,
+        limits,
+        args.home,
+        args.on_exit,
+        until,
+        approval_timeout_s=args.approval_timeout,
+        heartbeat_s=args.heartbeat_s,
+    )
 
 
 BENCHMARKS = {  # name: (module, what it measures); modules are imported only when run
@@ -412,8 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     # listed for --help only: main() hands everything after `supernode` to flower-supernode
     sub.add_parser(
         "supernode",
-        help="flower-supernode with warm ClientApp launches (fedrl.deploy.warm_clientapp); every argument "
-        "is flower-supernode's (`fedrl supernode --help` shows them)",
+        help="flower-supernode with warm ClientApp launches (fedrl.deploy.warm_clientapp) and its poll and "
+        "heartbeat intervals set (--poll-s, --heartbeat-s; fedrl.deploy.supernode_timing); every other "
+        "argument is flower-supernode's (`fedrl supernode --help` shows them)",
     )
 
     p = sub.add_parser(
@@ -500,6 +515,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--approval-timeout", type=number(float, 1.0), default=600.0, help="seconds to wait for approval"
     )
+    p.add_argument(
+        "--heartbeat-s",
+        type=number(float, *HEARTBEAT_RANGE),
+        default=HEARTBEAT_S,
+        help="the node's heartbeat interval, 10-1800 s: after a crash, it can join again within twice this",
+    )
     p.set_defaults(func=cmd_volunteer)
 
     listing = "; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items())
@@ -516,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["supernode"]:  # options included, they are flower-supernode's
+    if argv[:1] == ["supernode"]:  # options included: two are fedrl's, the rest flower-supernode's
         args = argparse.Namespace(command="supernode", func=lambda args: supernode(argv[1:]))
     else:
         args = build_parser().parse_args(argv)

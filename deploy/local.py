@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 from fedrl.certs import make_ca, make_node_key, make_server_cert
 from fedrl.credentials import load_or_create_secret
 from fedrl.deploy.federation import DeployError, Federation, app_config, run_config, tool
+from fedrl.deploy.supernode_timing import HEARTBEAT_S
 from fedrl.invite import Invite, make_invite
 from fedrl.ports import check_port_free, free_port
 from fedrl.protocol import LearnerSettings
@@ -75,10 +77,18 @@ def stop_groups(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, timeou
 class LocalDeployment:
     """Start, stop, kill and restart the services of one local deployment (see the module doc)."""
 
-    def __init__(self, root: str | Path, nodes: int = 3, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        root: str | Path,
+        nodes: int = 3,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        node_heartbeat_s: float = HEARTBEAT_S,  # a killed node's restart waits up to twice this
+    ):
         if nodes < 0:
             raise ValueError("nodes must be >= 0 (0: volunteers only)")
         self.root, self.host, self.num_nodes = Path(root).resolve(), host, nodes
+        self.node_heartbeat_s = node_heartbeat_s
         self.certs, self.logs, self.state = self.root / "certs", self.root / "logs", self.root / "state"
         self.flwr_home, self.run_dir = self.root / "flwr", self.root / "run"
         self.superlink_port = port or free_port(host)
@@ -195,8 +205,14 @@ class LocalDeployment:
             + ["--root-certificates", str(self.certs / "ca.pem")]
             + ["--auth-supernode-private-key", str(key or self.certs / "nodes" / f"{name}.key")]
             + ["--host", self.host, "--port", str(self.node_ports.setdefault(i, free_port(self.host)))]
-            + ["--node-config", node_config],
+            + ["--node-config", node_config, "--heartbeat-s", f"{self.node_heartbeat_s:g}"],
         )
+
+    def heartbeat_intervals(self) -> dict[int, float]:
+        """Node id: the heartbeat interval it registered with, from the SuperLink's database."""
+        with sqlite3.connect(self.state / "superlink.db") as db:
+            rows = db.execute("SELECT node_id, heartbeat_interval FROM node").fetchall()
+        return {n % 2**64: interval for n, interval in rows}  # Flower keeps unsigned ids as signed 64-bit
 
     def up(self) -> None:
         """Everything but the run: store, SuperLink, registered and started nodes."""

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from fedrl.certs import make_node_key
-from fedrl.deploy.federation import DeployError, Federation, run_config, tool
+from fedrl.deploy.federation import DeployError, Federation, run_config
+from fedrl.deploy.supernode_timing import supernode_argv
 from fedrl.deploy.warm_clientapp import exec_with_launcher
 from fedrl.ports import free_port
 
@@ -44,10 +45,10 @@ def node(superlink: str, certs: Path, home: Path, timeout_s: float = 300.0) -> N
             time.sleep(2)
     print(f"{name}: registered key ...{public.read_text().split()[1][-16:]} with {superlink}", flush=True)
     node_config = f'ca-file="{certs / "ca.pem"}" state-dir="{home / "state"}"'
-    argv = [tool("flower-supernode"), "--superlink", superlink, "--root-certificates", str(certs / "ca.pem")]
-    argv += ["--auth-supernode-private-key", str(key), "--port", str(free_port())]
-    argv += ["--node-config", node_config]
-    exec_with_launcher(argv, federation.env())
+    args = ["--superlink", superlink, "--root-certificates", str(certs / "ca.pem")]
+    args += ["--auth-supernode-private-key", str(key), "--port", str(free_port())]
+    args += ["--node-config", node_config]
+    exec_with_launcher(supernode_argv(args), federation.env())
 
 
 def submit(superlink: str, certs: Path, home: Path, nodes: int, config: dict, timeout_s: float) -> int:

@@ -48,7 +48,6 @@ from fedrl.patch_chain import PatchPublisher, in_catalog, published
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import (
     MESSAGE_TYPE,
-    SETTINGS_UNKNOWN,
     LearnerSettings,
     TrainInstruction,
     TrainReport,
@@ -444,6 +443,9 @@ class Coordinator:
         for node in left:
             self.event("left", node=node, client=self.members.client_id(node))
             self.pending_nodes.discard(node)  # its unsent delta is gone with it
+            # if it comes back, it is most likely a restarted ClientApp: its first instruction
+            # carries the settings rather than costing a round trip to learn it lost them
+            self.settings_held.pop(node, None)
 
     def withdraw(self, node: int, leaving: str) -> None:
         """A node said it leaves: nothing more is scheduled for it, at once. "after-flush": it
@@ -462,6 +464,7 @@ class Coordinator:
         # message whose node is gone, even when its reply had arrived). Nothing waits for the
         # answer, which is never pulled: a node already gone costs nothing.
         self.push(node, self.instruction(node, 0, 0, "goodbye"), GOODBYE_TTL_S)
+        self.settings_held.pop(node, None)  # a node that comes back is a new ClientApp
 
     def wait_for_nodes(self) -> None:
         deadline = time.monotonic() + self.cfg.node_wait_s
@@ -585,8 +588,10 @@ class Coordinator:
             if reply.error.code == ErrorCode.NODE_UNAVAILABLE:  # not again before the next refresh
                 self.unavailable.add(d.node)
             reason = str(reply.error.reason)
-            if reason.startswith(SETTINGS_UNKNOWN):  # e.g. a restarted ClientApp
-                self.settings_held.pop(d.node, None)
+            # whatever went wrong, its next message carries the settings: a node restarted within
+            # its heartbeat patience never leaves the Grid's list, and shows only as an error (its
+            # message lost, or SETTINGS_UNKNOWN). Sending them costs bytes; a refusal, a round trip
+            self.settings_held.pop(d.node, None)
             other_version = OTHER_VERSION in reason  # it cannot read what this coordinator sends
             if other_version:
                 self.other_version[d.node] = self.now() + OTHER_VERSION_REST_S
@@ -610,8 +615,9 @@ class Coordinator:
                 reason=f"malformed reply: {str(err)[:240]}",
             )
             return
-        self.settings_held[d.node] = d.settings_id  # it answered: it holds them
-        if d.node not in self.members.present:
+        if d.node in self.members.present:
+            self.settings_held[d.node] = d.settings_id  # it answered: it holds them
+        else:  # what it held went with it
             self.event("late", node=d.node, reason="reply from a node that has left; its work still counts")
         if report.steps:
             self.scheduler.observe_speed(d.node, report.compute_s / report.steps)

@@ -33,8 +33,9 @@ class FakeGrid(LocalGrid):
     def leave(self, node: int) -> None:
         self.present.discard(node)
 
-    def join(self, node: int) -> None:
-        if node not in self.contexts:
+    def join(self, node: int, restarted: bool = False) -> None:
+        """Add a node or bring one back; `restarted`: as a new ClientApp, holding nothing."""
+        if node not in self.contexts or restarted:
             self.contexts[node] = Context(
                 run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={}
             )

@@ -8,7 +8,7 @@ from fake_grid import FakeGrid, small_config
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedrl.clients.client_app import app as client_app
-from fedrl.protocol import InstructionHead
+from fedrl.protocol import SETTINGS_UNKNOWN, InstructionHead
 from fedrl.sim.apps import client_app as simulated_client_app
 from fedrl.sim.simulated_server import SimConfig, run_simulated
 from fedrl.strategies.coordinator import run_coordinator
@@ -36,26 +36,30 @@ def test_membership_ids_are_append_only():
 
 
 class ChurnScript:
-    """Node 2 leaves after the 3rd message, node 4 joins after the 5th, node 2 returns after the 8th."""
+    """Node 2 leaves after message `leave_at`, node 4 joins after the 5th, node 2 returns after the
+    8th as a restarted ClientApp (it holds neither settings nor a version). Leaving after the 3rd,
+    node 2's only reply comes in after it left; after the 4th, one was handled while it was there."""
 
-    def __init__(self):
-        self.grid, self.messages = None, 0
+    def __init__(self, leave_at: int):
+        self.grid, self.messages, self.leave_at = None, 0, leave_at
 
     def __call__(self, node, msg, reply):
         self.messages += 1
-        if self.messages == 3:
+        if self.messages == self.leave_at:
             self.grid.leave(2)
         elif self.messages == 5:
             self.grid.join(4)
         elif self.messages == 8:
-            self.grid.join(2)
+            self.grid.join(2, restarted=True)
         return reply
 
 
-@pytest.mark.parametrize("mode,sync", [("parablock", False), ("block-sequential", True)])
-def test_nodes_leave_join_and_return_during_rounds(tmp_path, mode, sync, monkeypatch):
+@pytest.mark.parametrize(
+    "mode,sync,leave_at", [("parablock", False, 3), ("parablock", False, 4), ("block-sequential", True, 4)]
+)
+def test_nodes_leave_join_and_return_during_rounds(tmp_path, mode, sync, leave_at, monkeypatch):
     monkeypatch.setattr("fedrl.strategies.coordinator.Coordinator.refresh_every_s", 0.0)
-    script = ChurnScript()
+    script = ChurnScript(leave_at)
     grid = script.grid = FakeGrid(3, client_app, script)
     summary = run_coordinator(
         grid,
@@ -69,6 +73,9 @@ def test_nodes_leave_join_and_return_during_rounds(tmp_path, mode, sync, monkeyp
         ids.setdefault(node, set()).add(instr["client_id"])
         assert instr["data_shards"] == 3  # the split never depends on who is connected
     assert ids == {1: {0}, 2: {1}, 3: {2}, 4: {3}}
+    # the returning node got the settings with its first instruction: no round trip refused
+    errors = [e["reason"] for e in summary["events"] if e["kind"] == "error"]
+    assert not [r for r in errors if r.startswith(SETTINGS_UNKNOWN)], errors
     assert {str(n) for n in (1, 3, 4)} <= set(summary["clients"])
 
 

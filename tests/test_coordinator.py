@@ -777,6 +777,31 @@ def test_a_node_that_lost_its_settings_says_so_and_is_sent_them_again(tmp_path):
     assert summary["counts"]["rejected"] == 0
 
 
+def test_a_node_restarted_between_two_messages_is_sent_the_settings_after_its_lost_message(tmp_path):
+    """Restarted within its heartbeat patience, a node never leaves the Grid's list: what shows is
+    its lost message (an error). Its next message carries the settings; none is refused for them."""
+    from flwr.common.constant import ErrorCode
+
+    from fedrl.protocol import SETTINGS_UNKNOWN
+
+    class RestartingGrid(FakeGrid):
+        restarted = False
+
+        def reply_to(self, node, msg):
+            if node == 1 and not self.restarted and len([n for n, _ in self.sent if n == 1]) == 2:
+                self.restarted = True
+                self.join(1, restarted=True)  # the new ClientApp holds nothing
+                return Message(Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason="message lost"), reply_to=msg)
+            return super().reply_to(node, msg)
+
+    grid = RestartingGrid(3, client_app)
+    summary = run_coordinator(grid, config(tmp_path, versions=4))
+    errors = [e["reason"] for e in summary["events"] if e["kind"] == "error"]
+    assert grid.restarted and errors == ["message lost"], errors
+    replies = [e for e in summary["events"] if e["kind"] == "reply" and e["node"] == 1]
+    assert len(replies) >= 2 and summary["versions"] >= 4 and not any(SETTINGS_UNKNOWN in r for r in errors)
+
+
 def test_a_node_of_another_fedrl_version_is_named_rested_and_taken_back_once_upgraded(tmp_path, monkeypatch):
     """A node whose fedrl speaks another protocol cannot read an instruction: its ClientApp refuses
     it by name. The coordinator says so (cause "version"), asks that node nothing more until a rest

@@ -34,7 +34,8 @@ SMALL = dict(  # a short run: little compute per message, the per-message proces
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    with LocalDeployment(tmp_path_factory.mktemp("deploy"), nodes=3) as d:
+    # node-3, killed, may come back once the SuperLink has let its session go: 20 s, not a minute
+    with LocalDeployment(tmp_path_factory.mktemp("deploy"), nodes=3, node_heartbeat_s=10) as d:
         d.up()
         yield d
 
@@ -84,7 +85,7 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     during its first message, the SuperLink (with the ServerApp it started) after version 2. The run is
     submitted again and resumes from its last checkpoint; the SuperNode, restarted once the
     SuperLink has timed out its old session (Flower refuses a key whose session is still
-    live: 30 s heartbeats, patience 2), rejoins with the same id and catches up."""
+    live: here 10 s heartbeats, patience 2), rejoins with the same id and catches up."""
     out = deployment.root / "run"
     # a cold restarted node is slow under load; 6-8 steps of 64 samples per message (not SMALL's
     # 2-3 of 16) so that 4 versions learn measurably: with SMALL the held-out error moved by
@@ -121,6 +122,7 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     assert not (out / "summary.json").exists()
     deployment.start_superlink()  # same database: registrations and node ids survive
     wait_for(lambda: deployment.federation.node_status().get(victim) == "offline", 150, "node-3 timed out")
+    assert deployment.heartbeat_intervals()[victim] == 10.0
     deployment.start_node(2)  # the same key: the same node id, a fresh process with no state
     wait_for(lambda: node_id_count(deployment, 2) == 2, 120, "node-3 activated again")
     assert node_id(deployment, 2) == victim

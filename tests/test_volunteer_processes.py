@@ -12,6 +12,7 @@ Then a revoked key, a bad invite and an unreachable coordinator fail clearly."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 
@@ -23,12 +24,14 @@ from fedrl.clients.disk_state import load_from_disk
 from fedrl.deploy.federation import CONNECTION, tool
 from fedrl.deploy.local import LocalDeployment
 from fedrl.node_files import PROBE, STATUS, read_json
+from fedrl.protocol import SETTINGS_UNKNOWN
 from fedrl.volunteer.home import VolunteerHome
 
 pytestmark = pytest.mark.slow
 
 UPLOAD_KBPS = 800.0
 MAX_MEMORY_MB = 3000
+HEARTBEAT_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +67,9 @@ class Volunteer:
         status = self.status()
         return status.get("rounds", 0) >= rounds and status.get("phase") == "working"
 
+    def node_id(self) -> int:
+        return int(re.findall(r"as node (\d+)", self.log())[-1])
+
     def log(self) -> str:
         return (self.deployment.logs / f"volunteer-{self.name}.log").read_text()
 
@@ -86,7 +92,8 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
     a = Volunteer(
         deployment, "a", "--upload-kbps", str(UPLOAD_KBPS), "--on-exit", "flush", "--round-s", "0.05"
     )
-    b = Volunteer(deployment, "b", "--max-memory", str(MAX_MEMORY_MB))
+    # B heartbeats every few seconds: its killed session goes in 20 s, not Flower's minute
+    b = Volunteer(deployment, "b", "--max-memory", str(MAX_MEMORY_MB), "--heartbeat-s", str(HEARTBEAT_S))
     try:
         a.join()
         b.join()
@@ -100,13 +107,15 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
             buffer_size=2,
             eval_every=4,
             node_wait_s=180.0,
-            deadline_s=60.0,
+            deadline_s=30.0,  # B's message lost with its kill waits this long for a reply
             task_params=json.dumps({"length": 8, "num_eval": 64}),
             upload_density=0.01,
         )
         # B: SIGKILLed mid-round and restarted at once; its cache survives. It gets back in only
-        # once the SuperLink lets its old session go (two missed heartbeats, up to a minute)
+        # once the SuperLink lets its old session go (two missed heartbeats: 20 s)
         wait_for(lambda: b.working(2) and b.status()["synced_version"] >= 1, 240, "B working on v1")
+        intervals = deployment.heartbeat_intervals()  # what each node registered with
+        assert intervals == {b.node_id(): HEARTBEAT_S, a.node_id(): 30.0}, intervals
         # B's memory cap is the kernel's on every process of its node, the ClientApp included
         node_procs = psutil.Process(b.proc.pid).children(recursive=True)
         limits = {p.rlimit(psutil.RLIMIT_DATA)[0] for p in node_procs}
@@ -166,6 +175,9 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
     cap = UPLOAD_KBPS * 1000 / 8
     assert 0.8 * cap <= probe_a["up_bytes_s"] <= 1.2 * cap, probe_a["up_bytes_s"]
     assert summary["counts"]["rejected"] == 0 and summary["versions"] >= 8
+    # each comeback got the settings with its first message: none was refused for want of them
+    errors = [e["reason"] for e in events if e["kind"] == "error"]
+    assert not [r for r in errors if r.startswith(SETTINGS_UNKNOWN)], errors
 
 
 def test_a_revoked_key_is_refused_clearly(deployment):

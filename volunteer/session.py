@@ -33,6 +33,7 @@ from rich.console import Console
 
 from fedrl.deploy.federation import flwr_env, tool
 from fedrl.deploy.local import stop_groups
+from fedrl.deploy.supernode_timing import HEARTBEAT_RANGE, HEARTBEAT_S
 from fedrl.invite import Invite
 from fedrl.live_line import LiveLine
 from fedrl.node_files import (
@@ -99,12 +100,15 @@ class Session:
     on_exit: str = "flush"
     until: float = 0.0  # wall-clock time to withdraw at (0: none)
     approval_timeout_s: float = 600.0
+    heartbeat_s: float = HEARTBEAT_S  # a killed node's restart waits up to twice this to connect
     exit_timeout_s: float = 300.0  # the longest a withdrawal waits for the round to be finished
     console: Console = field(default_factory=lambda: Console(stderr=True, highlight=False))
 
     def __post_init__(self):
         if self.on_exit not in ON_EXIT:
             raise ValueError(f"on_exit must be one of {ON_EXIT}, got {self.on_exit!r}")
+        if not HEARTBEAT_RANGE[0] <= self.heartbeat_s <= HEARTBEAT_RANGE[1]:  # NaN fails too
+            raise ValueError(f"heartbeat_s must be within {HEARTBEAT_RANGE} s, got {self.heartbeat_s}")
         self.proc: subprocess.Popen | None = None
         self.signals = 0
         self.node_id: int | None = None
@@ -230,7 +234,7 @@ class Session:
         argv = [tool("fedrl"), "supernode", "--superlink", self.invite.superlink]  # warm launches
         argv += ["--root-certificates", str(self.home.ca_file), "--auth-supernode-private-key", str(key)]
         argv += ["--port", str(free_port()), "--node-config", self.node_config()]
-        argv += ["--max-retries", "5", "--max-wait-time", "60"]
+        argv += ["--max-retries", "5", "--max-wait-time", "60", "--heartbeat-s", f"{self.heartbeat_s:g}"]
         env = flwr_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         cpus = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else None
         self.log_offset = self.log_path().stat().st_size if self.log_path().exists() else 0
