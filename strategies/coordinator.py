@@ -442,10 +442,7 @@ class Coordinator:
             self.event("joined", node=node, client=self.members.client_id(node))
         for node in left:
             self.event("left", node=node, client=self.members.client_id(node))
-            self.pending_nodes.discard(node)  # its unsent delta is gone with it
-            # if it comes back, it is most likely a restarted ClientApp: its first instruction
-            # carries the settings rather than costing a round trip to learn it lost them
-            self.settings_held.pop(node, None)
+            self.forget(node)
 
     def withdraw(self, node: int, leaving: str) -> None:
         """A node said it leaves: nothing more is scheduled for it, at once. "after-flush": it
@@ -458,13 +455,19 @@ class Coordinator:
             return
         self.withdrawn.add(node)
         self.members.present.discard(node)
-        self.pending_nodes.discard(node)
         self.event("left", node=node, client=self.members.client_id(node), reason="withdrew")
         # its owner waits for this before stopping the node (Flower answers NODE_UNAVAILABLE for a
         # message whose node is gone, even when its reply had arrived). Nothing waits for the
         # answer, which is never pulled: a node already gone costs nothing.
         self.push(node, self.instruction(node, 0, 0, "goodbye"), GOODBYE_TTL_S)
-        self.settings_held.pop(node, None)  # a node that comes back is a new ClientApp
+        self.forget(node)
+
+    def forget(self, node: int) -> None:
+        """What a node that left held goes with it: its unsent delta, and the settings (if it comes
+        back, it is most likely a new ClientApp: its first instruction carries them rather than
+        costing a round trip to learn it lost them)."""
+        self.pending_nodes.discard(node)
+        self.settings_held.pop(node, None)
 
     def wait_for_nodes(self) -> None:
         deadline = time.monotonic() + self.cfg.node_wait_s
