@@ -29,6 +29,7 @@ from fedrl.clients.runtime import NodeRuntime, use_runtime
 from fedrl.node_files import PROBE, read_json, update_status
 from fedrl.protocol import (
     NO_UPLOAD,
+    NOTICES,
     SETTINGS_UNKNOWN,
     HardwareProbe,
     InstructionHead,
@@ -215,9 +216,14 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
             if node is not None and node.state_dir:  # e.g. an instruction of another fedrl version
                 update_status(node.state_dir, error=str(err)[:300], updated_at=time.time())
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=msg)
-        if instr.action == "goodbye":  # off the schedule: its owner may stop it (nobody reads the reply)
+        if instr.action in NOTICES:  # its owner may stop it (nobody reads the reply)
             if node.state_dir:
-                update_status(node.state_dir, phase="left", acknowledged=True, updated_at=time.time())
+                said = (
+                    {"phase": "left", "acknowledged": True}
+                    if instr.action == "goodbye"
+                    else {"run_over": True}
+                )
+                update_status(node.state_dir, **said, updated_at=time.time())
             return Message(RecordDict(), reply_to=msg)
         instr = within_caps(instr, probe, context.state)
         if node.max_threads:
@@ -227,7 +233,9 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
             state = load_from_disk(node.state_dir, instr.store_url) or state
         runtime = node_runtime(node)
         if node.state_dir:
-            update_status(node.state_dir, phase="working", version=instr.version, since=time.time())
+            update_status(
+                node.state_dir, phase="working", version=instr.version, since=time.time(), run_over=False
+            )
         try:
             with use_runtime(runtime) if runtime else nullcontext():
                 report, new_state = handle(instr, state, cache, node.ca_file or None)

@@ -2,7 +2,8 @@
 writes what it did) and the `fedrl volunteer` process (which shows it and asks it to leave).
 
   status.json   the ClientApp's last word: phase (working / idle / left), versions, reward,
-                rounds, bytes, rates; `fedrl volunteer status` reads it from another shell
+                rounds, bytes, rates, and "run_over" once the coordinator said the run ended
+                (every reply pulled); `fedrl volunteer status` reads it from another shell
   probe.json    the hardware probe (fedrl.protocol.HardwareProbe): caps the ClientApp keeps to
   leave.json    written on the first Ctrl-C: {"on_exit": "flush" | "drop"}; the ClientApp
                 finishes or abandons its round, answers "leaving" and marks status "left";

@@ -20,8 +20,10 @@ from fedrl.schema import Schema
 MESSAGE_TYPE = "train.block"
 MODES = ("parablock", "block-sequential", "fedavg-lora")
 # train: a round on a block; flush: hand in the pending delta only; goodbye: the node that withdrew is
-# off the schedule (its owner may stop it: its last reply was pulled)
-ACTIONS = ("train", "flush", "goodbye")
+# off the schedule (its owner may stop it: its last reply was pulled); run-over: the run ended and
+# every reply was pulled (an owner who withdraws now has nothing left to wait for)
+NOTICES = ("goodbye", "run-over")  # they ask for no work; nobody reads their answers
+ACTIONS = ("train", "flush", *NOTICES)
 NO_UPLOAD = -2  # upload_block when a reply carries no upload
 LEAVING = ("", "after-flush", "now")
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # what published versions may be cast to

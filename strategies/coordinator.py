@@ -79,7 +79,7 @@ from fedrl.tasks import get_task
 
 log = logging.getLogger("fedrl.coordinator")
 RECENT_NORMS = 64  # the adaptive clip's memory: norms of the last updates, any block
-GOODBYE_TTL_S = 60.0  # a withdrawn node answers at once; an unanswered goodbye expires
+NOTICE_TTL_S = 60.0  # a goodbye or the run's end is answered at once, or expires unanswered
 # a node of another fedrl version refuses every instruction: it is asked again this much later
 # on the run's clock (its owner may have upgraded it), not every round
 OTHER_VERSION_REST_S = 60.0
@@ -459,8 +459,20 @@ class Coordinator:
         # its owner waits for this before stopping the node (Flower answers NODE_UNAVAILABLE for a
         # message whose node is gone, even when its reply had arrived). Nothing waits for the
         # answer, which is never pulled: a node already gone costs nothing.
-        self.push(node, self.instruction(node, 0, 0, "goodbye"), GOODBYE_TTL_S)
+        self.notify(node, "goodbye")
         self.forget(node)
+
+    def announce_end(self) -> None:
+        """Every node still here learns that the run is over and its replies were pulled, before
+        the final evaluation: an owner who withdraws after that need not wait for a goodbye that
+        will never come. Nothing waits for the answers, as for a goodbye."""
+        for node in sorted(self.members.present):
+            self.notify(node, "run-over")
+
+    def notify(self, node: int, action: str) -> None:
+        """An instruction off the schedule (a goodbye, the run's end): it trains no block."""
+        block = ALL_BLOCKS if self.cfg.mode == "fedavg-lora" else 0
+        self.push(node, self.instruction(node, block, 0, action), NOTICE_TTL_S)
 
     def forget(self, node: int) -> None:
         """What a node that left held goes with it: its unsent delta, and the settings (if it comes
@@ -482,7 +494,6 @@ class Coordinator:
 
     def instruction(self, node: int, block: int, steps: int, action: str) -> TrainInstruction:
         cfg = self.cfg
-        self.rounds[node] = self.rounds.get(node, 0) + 1
         principal = node_principal(node)
         token = self.tokens.get(node)
         # renewed at half its life, not every round: the settings it travels in stay the same
@@ -502,7 +513,7 @@ class Coordinator:
             seed=cfg.seed,
             client_id=self.members.client_id(node),
             data_shards=cfg.shards,
-            round=self.rounds[node],
+            round=self.rounds.get(node, 0),  # a notice (goodbye, run-over) is no round of its own
             upload_density=cfg.upload_density,
             wire_dtype=cfg.wire_dtype,
             origin_hash=self.origin_hash,
@@ -516,6 +527,7 @@ class Coordinator:
         else:
             block = self.scheduler.assign_block(node, self.members.client_id(node))
         steps = 0 if action == "flush" else self.scheduler.steps_for(node)
+        self.rounds[node] = self.rounds.get(node, 0) + 1
         instr = self.instruction(node, block, steps, action)
         # the message's ttl is the wall-clock watchdog; on a virtual clock the deadline is virtual
         ttl = self.cfg.watchdog_s if self.clock.virtual else self.cfg.deadline_s
@@ -965,6 +977,7 @@ class Coordinator:
             failure, self.stop_reason = err, str(err)
             self.event("stopped", reason=self.stop_reason)
             loop_time = self.now()
+        self.announce_end()
         # the coordinator's own cost: the process's CPU over the loop (its thread, the patch store's and
         # the checkpointer's), held-out evaluations excluded; with in-process clients, theirs too
         self.loop = {

@@ -14,7 +14,7 @@ import json
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
-from fedrl.protocol import InstructionHead, TrainReport
+from fedrl.protocol import NOTICES, InstructionHead, TrainReport
 from fedrl.sim.local_grid import LocalGrid
 from fedrl.strategies.run_config import RunConfig
 
@@ -49,8 +49,8 @@ class FakeGrid(LocalGrid):
         return load_state(self.contexts[node].state).held
 
     def reply_to(self, node, msg):
-        """The node's reply, through `script`; scripts see the instruction whole (head + settings),
-        as the node understood it."""
+        """The node's reply, through `script` unless the message was a notice; scripts see the
+        instruction whole (head + settings), as the node understood it."""
         if "settings" in msg.content.config_records:
             self.settings[node] = dict(msg.content["settings"])
         whole = {**self.settings.get(node, {}), **InstructionHead.unpack(msg.content["instruction"])}
@@ -60,6 +60,8 @@ class FakeGrid(LocalGrid):
                 Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node is not connected"), reply_to=msg
             )
         reply = super().reply_to(node, msg)
+        if whole["action"] in NOTICES:  # nobody reads their answers; scripts see requests for work
+            return reply
         msg.content["instruction"] = ConfigRecord(whole)
         return self.script(node, msg, reply)
 

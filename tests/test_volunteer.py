@@ -246,6 +246,40 @@ def test_a_volunteer_that_leaves_is_dropped_at_once(tmp_path, monkeypatch, on_ex
     assert summary["versions"] >= 4
     status = json.loads((state_dir / "status.json").read_text())
     assert status["phase"] == "left" and status["acknowledged"] is True
+    # the nodes that stayed were told that the run was over, once, as their last message
+    for node in sorted(grid.contexts)[1:]:
+        actions = [instr["action"] for n, instr in grid.sent if n == node]
+        assert actions[-1] == "run-over" and actions.count("run-over") == 1, actions
+
+
+def test_a_fedavg_run_says_goodbye_to_a_volunteer_and_tells_the_others_it_is_over(tmp_path):
+    """In fedavg-lora no block is assigned: a goodbye and the run's end are instructions for every
+    block (a goodbye with block 0 was refused by its own schema there, and the coordinator
+    crashed). A node that stayed to the end marks its status, and its owner may leave at once."""
+    cfg = small_config(tmp_path, versions=6, buffer_size=1, min_nodes=3, mode="fedavg-lora")
+    grid = FakeGrid(3, client_app)
+    leaver, stayer = sorted(grid.contexts)[:2]
+    for node in (leaver, stayer):
+        grid.contexts[node].node_config = {"state-dir": str(tmp_path / str(node))}
+
+    def script(node, msg, reply):
+        if node == leaver:  # asked to leave during its first message
+            write_json(tmp_path / str(leaver) / LEAVE, {"on_exit": "flush"})
+        return reply
+
+    grid.script = script
+    summary = run_coordinator(grid, cfg)
+    left = [e for e in summary["events"] if e["kind"] == "left"]
+    assert [(e["node"], e["reason"]) for e in left] == [(leaver, "withdrew")]
+    sent = {node: [instr["action"] for n, instr in grid.sent if n == node] for node in grid.contexts}
+    assert sent[leaver][-1] == "goodbye" and "run-over" not in sent[leaver]
+    assert all(sent[node][-1] == "run-over" for node in grid.contexts if node != leaver), sent
+    assert all(instr["block"] == -1 for _, instr in grid.sent)
+    leaver_status = json.loads((tmp_path / str(leaver) / "status.json").read_text())
+    assert leaver_status["acknowledged"] is True and not leaver_status.get("run_over")
+    stayer_status = json.loads((tmp_path / str(stayer) / "status.json").read_text())
+    assert stayer_status["run_over"] is True and stayer_status["phase"] == "idle"
+    assert "(run over)" in status_text(stayer, stayer_status)
 
 
 def test_the_cli_fails_clearly_on_a_bad_invite_and_an_unreachable_store(tmp_path, ca):
@@ -416,6 +450,10 @@ def test_an_instruction_of_another_fedrl_version_is_refused_and_shown_until_a_ro
         ("drop", {"phase": "idle", "holds_delta": True}, "STARTED SENT", 0, True),  # abandons the delta
         ("flush", {"phase": "idle", "holds_delta": False}, "STARTED SENT", 0, True),  # nothing to hand in
         ("flush", {"phase": "connecting"}, "", 0, True),
+        ("flush", {"phase": "idle", "run_over": True}, "STARTED SENT STARTED SENT", 0, True),  # run ended
+        ("flush", {"phase": "idle", "run_over": True, "holds_delta": True}, "STARTED SENT", 0, True),
+        ("flush", {"phase": "idle", "run_over": True}, "STARTED SENT STARTED", 0, False),  # answering it
+        ("flush", {"phase": "idle", "run_over": True}, "STARTED SENT STARTED DROPPED", 0, True),  # too late
     ],
 )
 def test_a_withdrawal_stops_the_supernode_only_once_nothing_is_left_to_send(
@@ -424,14 +462,14 @@ def test_a_withdrawal_stops_the_supernode_only_once_nothing_is_left_to_send(
     import time
 
     from fedrl.volunteer.home import VolunteerHome
-    from fedrl.volunteer.session import SENT, STARTED, Session
+    from fedrl.volunteer.session import DROPPED, SENT, STARTED, Session
 
     invite = make_invite("r", "127.0.0.1:9", "https://127.0.0.1:9", ca, new_secret(), **LEARNER)
     session = Session(invite, VolunteerHome.for_run(invite.run, tmp_path), on_exit=on_exit)
     session.leave_at = time.monotonic() - waited_s
     if "updated_at" in status:  # given as seconds ago
         status = status | {"updated_at": time.time() + status["updated_at"]}
-    log = log.replace("STARTED", STARTED).replace("SENT", SENT)
+    log = log.replace("STARTED", STARTED).replace("SENT", SENT).replace("DROPPED", DROPPED)
     assert session.left(status, log) is stops
 
 

@@ -6,6 +6,7 @@ session and works again), volunteer A is withdrawn with SIGINT mid-round (exit 0
 coordinator, which records "left" at once, says goodbye), then B withdraws and A joins again
 (it resumes from its cached state: with the run's top-1% uploads it pulls a small fraction of an
 anchor). One volunteer at a time works through each comeback, so the run cannot end before it.
+At the end the coordinator tells A the run is over, and A's withdrawal then waits for nothing.
 Limits: learner threads, the upload cap and the memory cap (the kernel's, on each process of the
 node) are kept to.
 Then a revoked key, a bad invite and an unreachable coordinator fail clearly."""
@@ -140,6 +141,11 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
         assert b.proc.wait(120) == 0, b.log()[-2000:]
         a.join()  # it holds its last version on disk
         assert deployment.federation.wait_run(run_id, 500) == "finished:completed"
+        # the coordinator told A the run was over: withdrawing now waits for nothing
+        wait_for(lambda: a.status().get("run_over"), 30, "A told the run is over")
+        a.proc.send_signal(signal.SIGINT)
+        assert a.proc.wait(30) == 0, a.log()[-2000:]
+        assert "left the federation cleanly (idle, the run was over)" in a.log()
     finally:
         for v in (a, b):
             if v.proc and v.proc.poll() is None:

@@ -58,13 +58,15 @@ from fedrl.volunteer.probe import Limits, probe_json, probe_matches, probe_table
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
 SESSION_RELEASE_S = 150.0  # how long a crashed node's old session may hold its key (Flower: ~60 s)
+SESSION_RETRY_S = 2.0  # between tries while it holds it (each starts a SuperNode: ~1 s of CPU)
 MEMORY_CHECK_S = 5.0  # how often the session sums the node's memory against --max-memory
 IDLE_LEAVE_S = 30.0  # an idle node with a delta to hand in gets its next message within seconds, or goes
 # Flower's SuperLink answers NODE_UNAVAILABLE for a message whose node has gone offline, even when
 # the reply is already there: the node stays up until the coordinator's goodbye says it pulled its
 # last reply, or this long after that reply when no goodbye comes (a coordinator that stopped)
 GOODBYE_WAIT_S = 30.0
-STARTED, SENT = "Start `flwr-clientapp` process", "Sent successfully"  # the SuperNode's log lines
+# the SuperNode's log lines: a message handled, its reply sent, or dropped (the run had ended)
+STARTED, SENT, DROPPED = "Start `flwr-clientapp` process", "Sent successfully", "Ignoring reply message"
 
 
 def confinement(cpus: list[int] | None, max_memory_mb: float):
@@ -307,13 +309,13 @@ class Session:
     def left(self, status: dict, log: str) -> bool:
         """Nothing is left to send: no message is being handled and no reply is on its way
         (stopping the SuperNode sooner loses the reply and the delta it carries), the coordinator
-        said goodbye (or GOODBYE_WAIT_S passed since the last reply without one), and no delta
-        waits to be handed in with a next message (for at most IDLE_LEAVE_S)."""
+        said goodbye or that the run is over (or GOODBYE_WAIT_S passed since the last reply without
+        either), and no delta waits to be handed in with a next message (for at most IDLE_LEAVE_S)."""
         waited = time.monotonic() - self.leave_at
-        busy = log.count(SENT) < log.count(STARTED) or status.get("phase") == "working"
+        busy = log.count(SENT) + log.count(DROPPED) < log.count(STARTED) or status.get("phase") == "working"
         if busy:
             return waited > self.exit_timeout_s
-        if status.get("acknowledged"):
+        if status.get("acknowledged") or status.get("run_over"):  # every reply was pulled
             return True
         if status.get("phase") == "idle" and status.get("holds_delta") and self.on_exit == "flush":
             return waited > IDLE_LEAVE_S
@@ -330,7 +332,8 @@ class Session:
             )
         self.home.remember(self.invite)
         (self.home.state_dir / LEAVE).unlink(missing_ok=True)
-        update_status(self.home.state_dir, phase="connecting", acknowledged=False)  # not the last "left"
+        # not the last session's "left" or "run over"
+        update_status(self.home.state_dir, phase="connecting", acknowledged=False, run_over=False)
         crashed_before = self.home.last_session().get("clean") is False
         write_json(self.home.session, {"pid": os.getpid(), "started": time.time(), "clean": False})
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -372,7 +375,13 @@ class Session:
             line.show(status_text(self.node_id, status))
             if self.leave_at is not None and self.left(status, log):
                 line.done()
-                said = "the coordinator said goodbye" if status.get("acknowledged") else "no goodbye came"
+                said = (
+                    "the coordinator said goodbye"
+                    if status.get("acknowledged")
+                    else "the run was over"
+                    if status.get("run_over")
+                    else "no goodbye came"
+                )
                 self.say(f"left the federation cleanly ({status.get('phase', 'idle')}, {said}); bye")
                 return EXIT_OK
             if self.proc.poll() is not None:
@@ -383,7 +392,9 @@ class Session:
                     raise VolunteerError(*verdict)
                 restarts += 1
                 self.node_id = None
-                time.sleep(min(30.0, 2.0 * restarts))
+                # a held session goes at a moment the SuperLink decides: ask again soon, steadily
+                held = "Failed to activate SuperNode" in log
+                time.sleep(SESSION_RETRY_S if held else min(30.0, 2.0 * restarts))
                 self.start_node()
             time.sleep(0.5)
 
@@ -417,9 +428,10 @@ def status_text(node_id, s: dict) -> str:
         return f"node {node_id} | connected | waiting for work"
     kb = lambda n: f"{n / 1000:,.0f} kB"  # noqa: E731
     g = s.get
+    phase = g("phase", "?") + (" (run over)" if g("run_over") else "")
     memory = f" | out of memory {g('memory_retries')}x: {g('prompts')} prompts a step"
     return (
-        f"node {node_id} | {g('phase', '?')} | v{g('version', '?')} held v{g('synced_version', '?')}"
+        f"node {node_id} | {phase} | v{g('version', '?')} held v{g('synced_version', '?')}"
         f" staleness {g('staleness', 0)} | reward {g('reward', 0):.3f} | rounds {g('rounds', 0)}"
         f" | up {kb(g('bytes_up', 0))} down {kb(g('bytes_down', 0))}"
         f" | {g('link_bytes_per_s', 0) / 1000:,.1f} kB/s"
@@ -465,6 +477,7 @@ def print_status(home: VolunteerHome, out=sys.stdout) -> int:
         "bytes_down",
         "prompts",
         "memory_retries",
+        "run_over",
         "error",
     ):
         if status.get(key, "") != "":  # an empty error: the last message went through
