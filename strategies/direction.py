@@ -8,12 +8,21 @@ the block an update changes, is a direction no client can steer (a reference mad
 updates, such as their median or momentum, is steered by the attackers in it). One update's
 cosine with it is small (honest DG updates on the tiny model: about +0.03, spread 0.06; their
 sampling noise dominates them), but its sign persists: a client that reverses its updates sits
-below zero round after round. So each client accumulates evidence, z = mean(cos) * sqrt(n) /
-sigma over its updates so far (sigma: a robust spread of every client's recent cosines), and an
-update is refused (cause `direction`) while z < -threshold. An honest client's z drifts up
-with n; a reversing one's down.
+below zero round after round. So each client accumulates evidence, z = (mean(cos) - bar) *
+sqrt(n) / sigma over its updates so far (sigma: a robust spread of every client's recent
+cosines), and an update is refused (cause `direction`) while z < -threshold. An honest client's
+z drifts up with n; a reversing one's down.
 
-Every accepted update is also weighted by its own cosine, max(cos, 0), as FLTrust weights
+The bar is 0, unless most recent updates lean away (their median m < 0): then it is 2m, so
+that a client at the federation's lean is judged as one at a lean of |m| toward the answers
+would be. From a random start, at some states every honest loss's updates lean away from the
+reference answers (PPO's and DG's alike, measured on the tiny model: mean cosines down to
+-0.2), and a bar at 0 refused honest clients by the hundred and zero-weighted most of the
+rest. A lean that the federation shares is no evidence against one client (a bar at m itself
+would refuse an honest client at m one check in 15: its z would hover at 0); a client far below
+it still stands out, and a minority of attackers cannot move the median far.
+
+Every accepted update is also weighted by its own cosine, max(cos - bar, 0), as FLTrust weights
 updates by their cosine with a server update made on trusted data; this acts from a client's
 first update, where the refusal needs evidence first. A reversed update gets weight only when
 the honest update it reverses leaned away from the answers, and then it leans toward them; with
@@ -155,21 +164,28 @@ class DirectionCheck:
         sigma = robust_spread(self.recent)
         if sigma <= 0:
             return cosine, None, None
-        z = evidence(count, total, sigma)
+        bar = self.bar()
+        z = evidence(count, total - count * bar, sigma)
         if z >= -self.threshold:
             return cosine, z, None
+        against = f" against the federation's {bar:+.3f}" if bar else ""
         return (
             cosine,
             z,
             f"over its {count} update(s) this client's mean cosine with the probe's reference "
-            f"direction is {total / count:+.3f} (z {z:.2f} < -{self.threshold:g}): its updates point "
-            "away from the task's answers",
+            f"direction is {total / count:+.3f}{against} (z {z:.2f} < -{self.threshold:g}): its "
+            "updates point away from the task's answers",
         )
+
+    def bar(self) -> float:
+        """What cosines are judged against: 0, or twice the recent median when it is below 0 (a
+        lean the clients share, mirrored); 0 while too few cosines are known."""
+        return 2 * min(0.0, statistics.median(self.recent)) if len(self.recent) >= MIN_SPREAD else 0.0
 
     def weight(self, cosine: float) -> float:
         """An accepted update's weight in its block's mean (times its other weights)."""
         if self.weighting == "cosine":
-            return max(cosine, 0.0)
+            return max(cosine - self.bar(), 0.0)
         return 1.0
 
     def state_dict(self) -> dict:

@@ -78,6 +78,34 @@ def test_a_reversing_client_is_refused_and_honest_noisy_ones_are_not(adapter, re
     assert again.check(0, 0, state, leaning(ref, 0.0, g))[2] is None
 
 
+def test_a_lean_away_that_the_whole_federation_shares_is_held_against_no_one(adapter, reversal):
+    """From a random start every honest loss's updates lean away from the answers at some states:
+    judged against 0, all ten clients would be refused and weigh nothing. Against the federation's
+    own lean, mirrored (2 x the median), none is; a client far below it still is, and the weights
+    follow the lean above the bar."""
+    check = DirectionCheck(adapter, reversal, problems=16, threshold=1.5, seed=0, weighting="cosine")
+    state, names = dict(adapter.initial), adapter.part.names(1)
+    ref = check.reference(0, state, names)
+    g = torch.Generator().manual_seed(3)
+    rng = np.random.default_rng(3)
+    refused = {c: 0 for c in range(11)}
+    for _ in range(12):
+        for client in range(11):
+            # honest: -0.05 on average, spread 0.05; client 10 leans away five times as far
+            lean = rng.normal(-0.25 if client == 10 else -0.05, 0.05)
+            cosine, z, reason = check.check(client, 0, state, leaning(ref, lean, g))
+            if reason:
+                refused[client] += 1
+                assert "against the federation's -0." in reason, reason
+    assert sum(refused[c] for c in range(10)) <= 1 and refused[10] >= 8, refused
+    bar = check.bar()
+    assert -0.16 < bar < -0.04  # twice the median lean
+    assert check.weight(bar) == 0.0 and check.weight(bar + 0.1) == pytest.approx(0.1)
+    # judged against 0, as a bar that ignored the federation's lean would, most honest clients fail
+    zs = [evidence(n, total, robust_spread(check.recent)) for n, total in check.records.values()]
+    assert sum(z < -1.5 for z in zs[:10]) >= 8
+
+
 def test_nothing_is_refused_before_the_spread_can_be_measured(adapter, reversal):
     check = DirectionCheck(adapter, reversal, problems=8, threshold=1.5, seed=0)
     state, names = dict(adapter.initial), adapter.part.names(0)
