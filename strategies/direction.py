@@ -8,10 +8,10 @@ the block an update changes, is a direction no client can steer (a reference mad
 updates, such as their median or momentum, is steered by the attackers in it). One update's
 cosine with it is small (honest DG updates on the tiny model: about +0.03, spread 0.06; their
 sampling noise dominates them), but its sign persists: a client that reverses its updates sits
-below zero round after round. So each client accumulates evidence, z = (mean(cos) - bar) *
-sqrt(n) / sigma over its updates so far (sigma: a robust spread of every client's recent
-cosines), and an update is refused (cause `direction`) while z < -threshold. An honest client's
-z drifts up with n; a reversing one's down.
+below zero round after round. So each client accumulates evidence, z = mean(cos - bar) *
+sqrt(n) / sigma over its updates so far (each cosine less the bar when it came; sigma: a robust
+spread of every client's recent cosines), and an update is refused (cause `direction`) while
+z < -threshold. An honest client's z drifts up with n; a reversing one's down.
 
 The bar is 0, unless most recent updates lean away (their median m < 0): then it is 2m, so
 that a client at the federation's lean is judged as one at a lean of |m| toward the answers
@@ -106,7 +106,9 @@ class DirectionCheck:
         probe = task.sample(problems, np.random.default_rng([seed, PROBE_SEED]))
         self.batch = reference_answers_batch(adapter, task, probe)
         self.cached: tuple[int, dict[tuple[str, ...], dict[str, torch.Tensor]]] = (-1, {})
-        self.records: dict[int, tuple[int, float]] = {}  # client id -> (updates, sum of their cosines)
+        # client id -> (updates, sum of their cosines less the bar when each came): a checkpoint
+        # of before the bar (always 0 then) holds the same sums
+        self.records: dict[int, tuple[int, float]] = {}
         self.recent: collections.deque = collections.deque(maxlen=SPREAD_WINDOW)
         self.cpu_s, self.computed = 0.0, 0  # what the reference directions cost
 
@@ -155,26 +157,24 @@ class DirectionCheck:
         if norms == 0:  # no direction to judge (an update, or a reference, of zeros): no record, no spread
             return 0.0, None, None
         cosine = dot / norms
-        count, total = self.records.get(client, (0, 0.0))
-        count, total = count + 1, total + cosine
-        self.records[client] = (count, total)
         self.recent.append(cosine)
+        count, excess = self.records.get(client, (0, 0.0))
+        count, excess = count + 1, excess + cosine - self.bar()  # each against the bar of its time
+        self.records[client] = (count, excess)
         if len(self.recent) < MIN_SPREAD:
             return cosine, None, None
         sigma = robust_spread(self.recent)
         if sigma <= 0:
             return cosine, None, None
-        bar = self.bar()
-        z = evidence(count, total - count * bar, sigma)
+        z = evidence(count, excess, sigma)
         if z >= -self.threshold:
             return cosine, z, None
-        against = f" against the federation's {bar:+.3f}" if bar else ""
         return (
             cosine,
             z,
             f"over its {count} update(s) this client's mean cosine with the probe's reference "
-            f"direction is {total / count:+.3f}{against} (z {z:.2f} < -{self.threshold:g}): its "
-            "updates point away from the task's answers",
+            f"direction, each against the bar of its time, is {excess / count:+.3f} (z {z:.2f} < "
+            f"-{self.threshold:g}): its updates point away from the task's answers",
         )
 
     def bar(self) -> float:

@@ -89,21 +89,44 @@ def test_a_lean_away_that_the_whole_federation_shares_is_held_against_no_one(ada
     g = torch.Generator().manual_seed(3)
     rng = np.random.default_rng(3)
     refused = {c: 0 for c in range(11)}
+    cosines = {c: [] for c in range(11)}
     for _ in range(12):
         for client in range(11):
             # honest: -0.05 on average, spread 0.05; client 10 leans away five times as far
             lean = rng.normal(-0.25 if client == 10 else -0.05, 0.05)
             cosine, z, reason = check.check(client, 0, state, leaning(ref, lean, g))
+            cosines[client].append(cosine)
             if reason:
                 refused[client] += 1
-                assert "against the federation's -0." in reason, reason
+                assert "each against the bar of its time" in reason, reason
     assert sum(refused[c] for c in range(10)) <= 1 and refused[10] >= 8, refused
     bar = check.bar()
     assert -0.16 < bar < -0.04  # twice the median lean
     assert check.weight(bar) == 0.0 and check.weight(bar + 0.1) == pytest.approx(0.1)
     # judged against 0, as a bar that ignored the federation's lean would, most honest clients fail
-    zs = [evidence(n, total, robust_spread(check.recent)) for n, total in check.records.values()]
+    zs = [evidence(len(c), sum(c), robust_spread(check.recent)) for c in cosines.values()]
     assert sum(z < -1.5 for z in zs[:10]) >= 8
+
+
+def test_each_update_is_judged_against_the_bar_of_its_time(adapter, reversal):
+    """The federation leans away for a long while (bar 2m), then toward the answers (bar 0). An
+    honest client's record holds each cosine less the bar when it came: judged by its raw mean
+    against the later bar of 0, its past at the federation's lean would refuse it."""
+    check = DirectionCheck(adapter, reversal, problems=16, threshold=1.5, seed=0)
+    state, names = dict(adapter.initial), adapter.part.names(1)
+    ref = check.reference(0, state, names)
+    g = torch.Generator().manual_seed(4)
+    rng = np.random.default_rng(4)
+    refused, raw = 0, {c: [] for c in range(10)}
+    for lean, rounds in ((-0.1, 30), (0.05, 25)):
+        for _ in range(rounds):
+            for client in range(10):
+                cosine, _, reason = check.check(client, 0, state, leaning(ref, rng.normal(lean, 0.05), g))
+                raw[client].append(cosine)
+                refused += reason is not None
+    assert check.bar() == 0.0 and refused <= 2, refused
+    sigma = robust_spread(check.recent)
+    assert all(evidence(len(c), sum(c), sigma) < -1.5 for c in raw.values())
 
 
 def test_nothing_is_refused_before_the_spread_can_be_measured(adapter, reversal):
