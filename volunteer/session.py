@@ -62,8 +62,9 @@ SESSION_RETRY_S = 2.0  # between tries while it holds it (each starts a SuperNod
 MEMORY_CHECK_S = 5.0  # how often the session sums the node's memory against --max-memory
 IDLE_LEAVE_S = 30.0  # an idle node with a delta to hand in gets its next message within seconds, or goes
 # Flower's SuperLink answers NODE_UNAVAILABLE for a message whose node has gone offline, even when
-# the reply is already there: the node stays up until the coordinator's goodbye says it pulled its
-# last reply, or this long after that reply when no goodbye comes (a coordinator that stopped)
+# the reply is already there: the node stays up until the coordinator's goodbye (or its word that
+# the run is over) says it pulled its last reply, or this long after that reply when neither
+# comes (a coordinator that stopped)
 GOODBYE_WAIT_S = 30.0
 # the SuperNode's log lines: a message handled, its reply sent, or dropped (the run had ended)
 STARTED, SENT, DROPPED = "Start `flwr-clientapp` process", "Sent successfully", "Ignoring reply message"
