@@ -67,7 +67,9 @@ from fedrl.strategies.aggregation import (
     norm_bound,
     older_base,
     outlier_reason,
+    peak_step,
     rejection_reason,
+    step_floor,
 )
 from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_checkpoints
 from fedrl.strategies.direction import DirectionCheck
@@ -165,6 +167,7 @@ class Coordinator:
         self.scheduler = cfg.block_scheduler()
         self.agg = cfg.aggregation()
         self.recent_norms: collections.deque = collections.deque(maxlen=RECENT_NORMS)  # accepted unit norms
+        self.step_peak = 0.0  # the largest median of recent_norms so far (peak_step)
         # top-k uploads: the steps of the latest uploads of a (client id, block), which its residual carries
         self.feedback_steps: dict[tuple[int, int], collections.deque] = {}
         self.gate = (
@@ -357,6 +360,7 @@ class Coordinator:
             "in_flight": len(self.in_flight),
             "evals": self.evals,
             "recent_unit_norms": list(self.recent_norms),
+            "step_peak": self.step_peak,
             "feedback_steps": [[c, b, list(steps)] for (c, b), steps in self.feedback_steps.items()],
             "reputation": self.reputation.state_dict(),
             "direction": self.direction.state_dict() if self.direction else {},
@@ -412,6 +416,7 @@ class Coordinator:
         self.evals = meta.get("evals", [])
         if isinstance(meta.get("recent_unit_norms"), list):  # older ones kept raw norms: dropped
             self.recent_norms.extend(float(n) for n in meta["recent_unit_norms"])
+        self.step_peak = float(meta.get("step_peak", 0.0))  # older ones: set again as the run goes on
         self.feedback_steps = {  # older checkpoints kept one running total
             (int(c), int(b)): self.feedback_rounds(n if isinstance(n, list) else [n])
             for c, b, n in meta.get("feedback_steps", [])
@@ -779,7 +784,8 @@ class Coordinator:
             if reason:
                 raise Rejected("update", reason)
             queued = [u.unit_norm for u in self.buffer]
-            reason = outlier_reason(update.unit_norm, [*self.recent_norms, *queued], self.agg)
+            floor = step_floor(self.step_peak)
+            reason = outlier_reason(update.unit_norm, [*self.recent_norms, *queued], self.agg, floor)
             if reason:
                 raise Rejected("norm", reason)
             older = older_base(new, r.upload_base_version, self.publisher.retained())
@@ -853,7 +859,7 @@ class Coordinator:
             # has an honest median
             others = [n for b, ns in norms.items() if b != block for n in ns]
             reference = [*self.recent_norms, *others]
-            bound = norm_bound(norms[block], self.agg, reference)
+            bound = norm_bound(norms[block], self.agg, reference, step_floor(self.step_peak))
             for name, delta in aggregate_block(updates, self.agg, bound).items():
                 new_state[name] = self.global_state[name] + delta
             clipped += sum(u.norm > clip_limit(u, self.agg, bound) for u in updates)
@@ -864,6 +870,7 @@ class Coordinator:
         # grew 3.4x in 15 virtual s, and the stuck median refused over a third of the replies);
         # the median of accepted norms moves only as far as the honest majority's own norms
         self.recent_norms.extend(n for ns in norms.values() for n in ns)
+        self.step_peak = peak_step(self.step_peak, self.recent_norms)
         self.global_state, self.version = new_state, self.version + 1
         self.replies_at_version = self.counts["replies"]
         updates, self.buffer = len(self.buffer), []

@@ -7,6 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedrl.strategies.aggregation import (
+    PEAK_SHARE,
+    PEAK_WINDOW,
     AggregationConfig,
     Update,
     aggregate_block,
@@ -15,8 +17,10 @@ from fedrl.strategies.aggregation import (
     norm_bound,
     older_base,
     outlier_reason,
+    peak_step,
     rejection_reason,
     staleness_weight,
+    step_floor,
     update_norm,
 )
 
@@ -205,6 +209,49 @@ def test_updates_of_zeros_say_nothing_about_step_sizes():
     merged = aggregate_block([learned], cfg, norm_bound([learned.unit_norm], cfg, history))["w"]
     assert float(merged.norm()) == pytest.approx(1.1)  # clipped to the median step size, not to zero
     assert norm_bound([0.0, 0.0], cfg, [0.0] * 5) is None  # nothing moved: nothing to clip to
+
+
+def test_a_quiet_majority_does_not_cut_the_updates_that_still_learn():
+    """Most clients' updates go nearly silent (a policy collapsed onto one answer per prompt
+    scores whole groups alike) while a few still learn at the run's usual size. The median of
+    recent norms falls 100x, and before the floor the clip cut every learning update to it and
+    the refusal turned them away; now they are measured against half the run's peak typical
+    step. An attacker in the quiet spell gets no more room than that."""
+    cfg = AggregationConfig(clip_multiple=1.0, refuse_multiple=10.0)
+    peak = 0.0
+    loud = [1.0, 0.9, 1.1, 1.2, 0.8] * 4  # the run's early steps
+    for n in range(1, len(loud) + 1):
+        peak = peak_step(peak, loud[:n])
+    assert peak == pytest.approx(1.0)  # set once PEAK_WINDOW step sizes were there
+    quiet = [0.01] * 50 + [1.0, 1.1] * 5  # the last 60: mostly silent, a few still learning
+    peak = peak_step(peak, quiet)
+    assert peak == pytest.approx(1.0)  # a quiet spell does not lower it
+    floor = step_floor(peak)
+    assert floor == PEAK_SHARE * peak
+    # without the floor: a learning update is "100x the median" and clipped to 1% of itself
+    assert "100x the median" in outlier_reason(1.0, quiet, cfg)
+    assert norm_bound([1.0], cfg, quiet) == pytest.approx(0.01)
+    # with it: accepted, and clipped to half the peak at the least
+    assert outlier_reason(1.0, quiet, cfg, floor) is None
+    assert norm_bound([1.0], cfg, quiet, floor) == pytest.approx(PEAK_SHARE)
+    learned = Update(1, 0, {"w": torch.full((4,), 0.5)}, 10, 0)  # norm 1
+    merged = aggregate_block([learned], cfg, norm_bound([learned.unit_norm], cfg, quiet, floor))["w"]
+    assert float(merged.norm()) == pytest.approx(PEAK_SHARE)
+    # x100 of a step of the run is still refused, and the clip is the run's own scale
+    assert "refused beyond 10x" in outlier_reason(100.0, quiet, cfg, floor)
+    assert norm_bound([9.0], cfg, quiet, floor) == pytest.approx(PEAK_SHARE)
+    # where the median is above the floor, the floor changes nothing
+    assert norm_bound([1.0], cfg, loud, floor) == norm_bound([1.0], cfg, loud)
+
+
+def test_the_peak_needs_a_full_window_of_steps():
+    """A few updates cannot set the peak: two attackers' x100 among the first updates would
+    otherwise raise the floor of the whole run."""
+    early = [1.0, 100.0, 100.0]
+    assert peak_step(0.0, early) == 0.0 and step_floor(0.0) == 0.0
+    window = [1.0] * (PEAK_WINDOW - 3) + [100.0] * 3
+    assert peak_step(0.0, window) == pytest.approx(1.0)  # a median: the minority does not move it
+    assert peak_step(0.0, [0.0] * 40) == 0.0  # zeros are no step sizes
 
 
 def _trajectory(steps: int, seed: int) -> dict[int, dict[str, torch.Tensor]]:

@@ -430,6 +430,37 @@ def test_norms_that_grow_for_everyone_are_followed_not_refused(tmp_path):
     assert summary["versions"] == 8 and statistics.median(norms[7]) > 10 * statistics.median(norms[0])
 
 
+def test_a_run_resumed_into_a_quiet_spell_keeps_its_peak_step(tmp_path):
+    """The run's peak typical step is in its checkpoint: resumed where the recent norms had gone
+    nearly silent (a collapsed policy's), updates of the run's usual size are measured against
+    half that peak, not refused as 100x the quiet median. A checkpoint without the peak (made
+    before it was kept) is refused so, until a window of new steps sets it again."""
+    import json
+
+    cfg = config(tmp_path, mode="block-sequential", sync=True, versions=5, refuse_multiple=10.0)
+    first = run_coordinator(FakeGrid(4, client_app), cfg)
+    assert first["counts"]["rejected"] == 0
+    norms = [e["norm"] for e in first["events"] if e["kind"] == "accepted"]
+    manifest = max((tmp_path / "run" / "checkpoints").glob("ckpt-*.json"))
+    record = json.loads(manifest.read_text())
+    peak = record["meta"]["step_peak"]
+    assert 0 < peak <= max(norms), (peak, norms)
+    record["meta"]["recent_unit_norms"] = [peak / 1000] * 64  # the quiet spell
+    refusals = {}
+    for kept in (True, False):
+        if not kept:
+            del record["meta"]["step_peak"]
+        manifest.write_text(json.dumps(record))
+        resumed = run_coordinator(FakeGrid(4, client_app), cfg.replace(versions=6))
+        refusals[kept] = [e for e in resumed["events"] if e["kind"] == "rejected" and e["cause"] == "norm"]
+        assert resumed["versions"] == 6
+        for old in (tmp_path / "run" / "checkpoints").glob("ckpt-00000006.*"):
+            old.unlink()  # the next try resumes from v5 again
+        (tmp_path / "run" / "summary.json").unlink()
+    assert not refusals[True], refusals[True]
+    assert refusals[False] and "x the median" in refusals[False][0]["reason"], refusals[False]
+
+
 def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path):
     """Node 1 hands in, at its honest update's size, a step straight down the probe's reference
     direction (what an attacker trained to raise the error sends): inside every norm bound, so
