@@ -433,7 +433,7 @@ def test_norms_that_grow_for_everyone_are_followed_not_refused(tmp_path):
 def test_a_run_resumed_into_a_quiet_spell_keeps_its_peak_step(tmp_path):
     """The run's peak typical step is in its checkpoint: resumed where the recent norms had gone
     nearly silent (a collapsed policy's), updates of the run's usual size are measured against
-    half that peak, not refused as 100x the quiet median. A checkpoint without the peak (made
+    half that peak, not refused as 1,000x the quiet median. A checkpoint without the peak (made
     before it was kept) is refused so, until a window of new steps sets it again."""
     import json
 
