@@ -435,8 +435,6 @@ def test_a_run_resumed_into_a_quiet_spell_keeps_its_peak_step(tmp_path):
     nearly silent (a collapsed policy's), updates of the run's usual size are measured against
     half that peak, not refused as 1,000x the quiet median. A checkpoint without the peak (made
     before it was kept) is refused so, until a window of new steps sets it again."""
-    import json
-
     cfg = config(tmp_path, mode="block-sequential", sync=True, versions=5, refuse_multiple=10.0)
     first = run_coordinator(FakeGrid(4, client_app), cfg)
     assert first["counts"]["rejected"] == 0
@@ -599,8 +597,6 @@ def test_top_k_uploads_are_measured_by_the_steps_of_their_clients_latest_rounds_
     in the residual: the clip measures it by the steps of the last `feedback_window` uploads of
     that client and block (2 at 15%), which are checkpointed, and a resumed run goes on from
     them (from an older checkpoint's running total too); dense uploads keep their own round's."""
-    import json
-
     from fedrl.strategies.aggregation import feedback_window
 
     def steps_by_upload(summary):
