@@ -72,7 +72,7 @@ from fedrl.strategies.aggregation import (
     step_floor,
 )
 from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_checkpoints
-from fedrl.strategies.direction import DirectionCheck
+from fedrl.strategies.direction import DirectionCheck, rest_rounds
 from fedrl.strategies.gate import VerificationGate
 from fedrl.strategies.membership import Membership
 from fedrl.strategies.reputation import Reputation
@@ -233,7 +233,10 @@ class Coordinator:
         self.pending_nodes: set[int] = set()  # parablock clients holding an unsent delta
         self.withdrawn: set[int] = set()  # nodes that said they leave, until the Grid stops listing them
         self.unavailable: set[int] = set()  # nodes Flower said are unreachable: no dispatch until a refresh
-        self.other_version: dict[int, float] = {}  # node -> when it may be asked again (run's clock)
+        # node -> when it may be asked again (run's clock): it runs another version, or the
+        # direction check refused its last update
+        self.resting: dict[int, float] = {}
+        self.refusals_in_a_row: dict[int, int] = {}  # client id -> direction refusals since it was accepted
         self.rounds: dict[int, int] = {}  # node -> messages sent
         # node -> the version it said it holds (also after it left: it may come back with it)
         self.synced: dict[int, int] = {}
@@ -614,7 +617,7 @@ class Coordinator:
             self.settings_held.pop(d.node, None)
             other_version = OTHER_VERSION in reason  # it cannot read what this coordinator sends
             if other_version:
-                self.other_version[d.node] = self.now() + OTHER_VERSION_REST_S
+                self.resting[d.node] = self.now() + OTHER_VERSION_REST_S
             self.event(
                 "error",
                 ("replies", "errors"),
@@ -651,9 +654,34 @@ class Coordinator:
         if d.action == "flush" or report.leaving == "now":
             self.pending_nodes.discard(d.node)
         if report.upload_key:
-            self.ingest(d.node, report)
+            self.rest_if_refused(d, self.ingest(d.node, report))
         if report.leaving:
             self.withdraw(d.node, report.leaving)
+
+    def rest_if_refused(self, d: Dispatch, cause: str) -> None:
+        """A client whose update the direction check refused sits out rounds (`rest_rounds`: 1,
+        2, 4, ... of this round's length on the run's clock) rather than spend samples on updates
+        that would be refused too; an accepted update ends its streak. Not checkpointed: a
+        restarted coordinator starts every streak afresh."""
+        client = self.members.client_id(d.node)
+        if cause == "":
+            self.refusals_in_a_row.pop(client, None)
+        if cause != "direction":
+            return
+        refusals = self.refusals_in_a_row[client] = self.refusals_in_a_row.get(client, 0) + 1
+        rounds = rest_rounds(refusals, self.cfg.direction_rest_cap)
+        if not rounds:
+            return
+        rest_s = rounds * (self.now() - d.sent)
+        self.resting[d.node] = self.now() + rest_s
+        self.event(
+            "resting",
+            node=d.node,
+            client=client,
+            rounds=rounds,
+            rest_s=round(rest_s, 3),
+            reason=f"{refusals} update(s) in a row refused for their direction: sits out {rounds} round(s)",
+        )
 
     def client_entry(self, node: int) -> dict:
         return self.clients.setdefault(
@@ -719,8 +747,9 @@ class Coordinator:
             overlap_s=r.overlap_s,
         )
 
-    def ingest(self, node: int, r: TrainReport) -> None:
-        """Fetch, verify and queue one client delta; anything wrong is rejected with a reason."""
+    def ingest(self, node: int, r: TrainReport) -> str:
+        """Fetch, verify and queue one client delta; anything wrong is rejected with a reason.
+        The cause of the rejection, or "" when the delta was queued."""
         client, probe = self.members.client_id(node), {}
         try:
             staleness = self.version - r.upload_base_version
@@ -814,7 +843,7 @@ class Coordinator:
             self.reputation.record(client, accepted=False, cause=cause)
             fields = probe if cause in ("gate", "direction") else {}
             self.event("rejected", ("rejected",), node=node, cause=cause, reason=str(err)[:300], **fields)
-            return
+            return cause
         finally:
             try:
                 self.admin.delete(r.upload_key, node_principal(node))
@@ -833,6 +862,7 @@ class Coordinator:
             **probe,
         )
         self.buffer.append(update)
+        return ""
 
     def feedback_rounds(self, steps: list) -> collections.deque:
         return collections.deque((int(n) for n in steps), maxlen=feedback_window(self.cfg.upload_density))
@@ -933,16 +963,17 @@ class Coordinator:
         """One turn of the loop: refresh members, dispatch to idle nodes, handle one due reply."""
         self.refresh_nodes()
         self.expire_overdue()
-        still = self.clock_stands_still()  # then no rest would ever end: ask such nodes again at once
-        self.other_version = {n: t for n, t in self.other_version.items() if t > self.now() and not still}
+        self.resting = {n: t for n, t in self.resting.items() if t > self.now()}
+        if self.clock_stands_still() and self.members.present <= set(self.resting):
+            self.resting = {}  # only a reply moves a virtual clock: no rest would ever end
         if self.cfg.sync:
             if not round_open:
-                for node in sorted(self.members.present - set(self.other_version)):
+                for node in sorted(self.members.present - set(self.resting)):
                     self.dispatch(node)
                 round_open = True
         else:
             busy = {d.node for d in self.in_flight.values()}
-            for node in sorted(self.members.present - busy - self.unavailable - set(self.other_version)):
+            for node in sorted(self.members.present - busy - self.unavailable - set(self.resting)):
                 self.dispatch(node)
         due = self.next_reply()
         if due is None:

@@ -50,6 +50,17 @@ SPREAD_WINDOW = 256  # recent cosines (every client's) that sigma is measured on
 MIN_SPREAD = 8  # cosines needed before sigma means anything: nothing is refused before
 
 
+def rest_rounds(refusals_in_a_row: int, cap: int) -> int:
+    """How many of its own rounds a client sits out after its `refusals_in_a_row`-th update in a
+    row refused by the direction check: 1, 2, 4, ... up to `cap` (0: it never rests). Its record
+    moves only with new updates, so a refused client would be refused round after round, its
+    samples spent for nothing; doubling rests probe it less and less often, as BOINC cuts the
+    quota of a host whose results fail, and one accepted update ends the streak."""
+    if cap <= 0 or refusals_in_a_row <= 0:
+        return 0
+    return min(2 ** (refusals_in_a_row - 1), cap)
+
+
 def reference_answers_batch(adapter: AdapterModel, task: Task, problems) -> dict:
     """Prompts with their reference answers (the text `str(target)` and <eos>, cut to the answer
     length the task allows, as a sampled answer is), teacher-forced:

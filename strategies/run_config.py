@@ -65,6 +65,9 @@ class RunConfig(Schema):
     # ... and weighs each accepted update by max(its cosine, 0) (cosine) or not at all (none), in
     # the weighted mean (robust = "mean"; the median and the trimmed mean weigh nothing)
     direction_weighting: str = "cosine"
+    # ... and a client it refuses sits out 1, 2, 4, ... of its own rounds, up to this many, until
+    # an update of its is accepted (its samples would be refused too); 0: refused clients keep working
+    direction_rest_cap: int = 32
     reputation: bool = False  # weight each client's updates by its record of accepted and refused ones
     deadline_s: float = 300.0  # a round's deadline on the run's clock (stragglers past it are cut)
     watchdog_s: float = (
@@ -121,7 +124,7 @@ class RunConfig(Schema):
         if min(getattr(self, name) for name in at_least_one) < 1:
             raise ValueError(f"{', '.join(at_least_one)} must be >= 1")
         nonnegative = ["max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"]
-        nonnegative += ["direction_probe", "direction_threshold"]
+        nonnegative += ["direction_probe", "direction_threshold", "direction_rest_cap"]
         nonnegative += ["final_eval_size"]
         if min(getattr(self, name) for name in nonnegative) < 0:
             raise ValueError(f"{', '.join(nonnegative)} must be >= 0")

@@ -459,28 +459,25 @@ def test_a_run_resumed_into_a_quiet_spell_keeps_its_peak_step(tmp_path):
     assert refusals[False] and "x the median" in refusals[False][0]["reason"], refusals[False]
 
 
-def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path):
-    """Node 1 hands in, at its honest update's size, a step straight down the probe's reference
-    direction (what an attacker trained to raise the error sends): inside every norm bound, so
-    only the direction check can tell. Once the check has enough cosines to measure their
-    spread, each of node 1's updates is refused (cause `direction`) and its record is in the
-    checkpoint."""
+def reversing_node(cfg, attacker: int, client_app, profiles=None):
+    """A FakeGrid whose node `attacker` hands in, at its honest update's size, a step straight
+    down the probe's reference direction (what an attacker trained to raise the error sends):
+    inside every norm bound, so only the direction check can tell."""
     from fedrl.lora import build_adapter_model
     from fedrl.patch import apply_patch, encode_patch
     from fedrl.store_client import BlockingStoreClient
     from fedrl.strategies.direction import DirectionCheck
     from fedrl.tasks import get_task
 
-    cfg = config(tmp_path, mode="block-sequential", sync=True, versions=6, direction_probe=16)
     adapter = build_adapter_model(cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks)
     check = DirectionCheck(adapter, get_task(cfg.task, **json.loads(cfg.task_params)), 16, 1.5, cfg.seed)
     grid = None
 
     def script(node, msg, reply):
-        if reply.has_error() or node != 1 or not report_of(reply)["upload_key"]:
+        if reply.has_error() or node != attacker or not report_of(reply)["upload_key"]:
             return reply
         instr, report = msg.content["instruction"], report_of(reply)
-        wire = grid.held(1)  # uploads are patches against these values, in their dtype
+        wire = grid.held(attacker)  # uploads are patches against these values, in their dtype
         held = {n: t.float() for n, t in wire.items()}
         names = adapter.part.names(report["upload_block"])
         store = BlockingStoreClient(instr["store_url"], instr["principal"], instr["token"])
@@ -496,8 +493,17 @@ def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path)
             store.close()
         return with_report(msg, reply, upload_key=key)
 
-    grid = FakeGrid(3, client_app, script)
-    summary = run_coordinator(grid, cfg)
+    grid = FakeGrid(cfg.min_nodes, client_app, script)
+    return grid
+
+
+def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path):
+    """Node 1 reverses its updates along the probe's reference direction. Once the check has
+    enough cosines to measure their spread, each of node 1's updates is refused (cause
+    `direction`) and its record is in the checkpoint. After each refusal it sits out 1, 2,
+    4, ... rounds, so it is asked fewer rounds than the honest nodes."""
+    cfg = config(tmp_path, mode="block-sequential", sync=True, versions=6, direction_probe=16)
+    summary = run_coordinator(reversing_node(cfg, 1, client_app), cfg)
     mine = [e for e in summary["events"] if e["kind"] in ("accepted", "rejected") and e["node"] == 1]
     # straight down the reference (a round whose honest update was empty hands in nothing: 0)
     assert sum(e["cosine"] < -0.9 for e in mine) >= len(mine) - 1, mine
@@ -509,11 +515,44 @@ def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path)
     assert others and all(e["weight"] == pytest.approx(max(e["cosine"], 0), abs=1e-3) for e in others)
     assert mine[-1]["kind"] == "rejected" and "away from the task's answers" in mine[-1]["reason"]
     assert summary["versions"] >= 6
+    rests = [e for e in summary["events"] if e["kind"] == "resting"]
+    assert [e["node"] for e in rests] == [1] * len(refused), rests
+    assert [e["rounds"] for e in rests] == [2**i for i in range(len(refused))]
+    asked = {node: summary["clients"][str(node)]["messages"] for node in (1, 2, 3)}
+    assert asked[1] < asked[2] == asked[3], asked  # sync rounds: the honest nodes are asked every one
     from fedrl.strategies.checkpoint import load_checkpoints
 
     _, _, meta = next(iter(load_checkpoints(tmp_path / "run" / "checkpoints")))
     client = next(e["client"] for e in summary["events"] if e["kind"] == "joined" and e["node"] == 1)
     assert meta["direction"]["records"][str(client)][0] == len(mine)
+
+
+def test_a_refused_client_is_asked_nothing_until_its_rest_is_over_on_a_virtual_clock(tmp_path):
+    """On the simulation's virtual clock, where times are exact: each rest lasts its rounds times
+    the refused round's length, and the node's next round starts no sooner than the rest's end.
+    The honest nodes take the run to its versions meanwhile."""
+    from fedrl.sim.apps import client_app as simulated_client_app
+    from fedrl.sim.simulated_server import SimConfig, run_simulated
+
+    cfg = config(tmp_path, mode="block-sequential", sync=True, versions=10, direction_probe=16)
+    sim = SimConfig(clock="virtual", step_s=1.0, profiles=json.dumps([{"name": "steady", "speed": 1.0}] * 3))
+    summary = run_simulated(reversing_node(cfg, 1, simulated_client_app), cfg, sim)
+    assert summary["versions"] >= 10
+    events = summary["events"]
+    rests = [e for e in events if e["kind"] == "resting"]
+    assert len(rests) >= 2 and {e["node"] for e in rests} == {1}, rests
+    assert [e["rounds"] for e in rests] == [2**i for i in range(len(rests))]
+    checked = 0
+    for rest in rests:
+        replies = [e for e in events if e["kind"] == "reply" and e["node"] == 1 and e["t"] > rest["t"]]
+        refused_round = next(
+            e for e in reversed(events) if e["kind"] == "reply" and e["node"] == 1 and e["t"] <= rest["t"]
+        )
+        assert rest["rest_s"] == pytest.approx(rest["rounds"] * refused_round["duration_s"], rel=1e-3)
+        if replies:  # sent when its rest was over
+            assert replies[0]["t"] - replies[0]["duration_s"] >= rest["t"] + rest["rest_s"] - 1e-3, rest
+            checked += 1
+    assert checked >= 1
 
 
 def test_the_direction_check_is_off_with_a_note_for_a_task_without_text_answers(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedrl.lora import build_adapter_model
-from fedrl.strategies.direction import DirectionCheck, evidence, robust_spread
+from fedrl.strategies.direction import DirectionCheck, evidence, rest_rounds, robust_spread
 from fedrl.strategies.run_config import RunConfig
 from fedrl.tasks import get_task
 
@@ -182,6 +182,12 @@ def test_evidence_and_spread():
     assert robust_spread([0.0, 0.0, 1.0, -1.0, 100.0]) == pytest.approx(1.4826)
 
 
+def test_a_refused_client_rests_twice_as_long_after_each_refusal_up_to_the_cap():
+    assert [rest_rounds(n, cap=32) for n in range(0, 8)] == [0, 1, 2, 4, 8, 16, 32, 32]
+    assert [rest_rounds(n, cap=5) for n in (1, 3, 4)] == [1, 4, 5]
+    assert rest_rounds(3, cap=0) == 0  # off: refused clients keep working
+
+
 def test_a_task_without_text_answers_and_bad_settings_are_refused(adapter):
     with pytest.raises(ValueError, match="needs text prompts"):
         DirectionCheck(adapter, get_task("digits"), problems=4, threshold=1.5, seed=0)
@@ -191,3 +197,5 @@ def test_a_task_without_text_answers_and_bad_settings_are_refused(adapter):
         RunConfig(direction_threshold=-0.5)
     with pytest.raises(ValueError, match="direction_weighting"):
         RunConfig(direction_weighting="sign")
+    with pytest.raises(ValueError, match="direction_rest_cap"):
+        RunConfig(direction_rest_cap=-1)
