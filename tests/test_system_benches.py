@@ -239,7 +239,7 @@ def test_bench_methods_runs_the_real_federation_per_method(tmp_path):
     # the unit of work pinned (`--step-s`): measured, it follows the load, and a busy machine
     # leaves a 3-virtual-second budget without a reply
     args = ["--quick", "--methods", "dg", "ppo", "--clients", "4", "--budget-s", "3", "--target", "0.01"]
-    args += ["--step-s", "0.05"]
+    args += ["--step-s", "0.05", "--seed", "1"]  # the first seed (quick: one)
     done = run_fedrl("bench", "methods", *args, "--out", str(out), timeout=600)  # two workers
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -248,14 +248,14 @@ def test_bench_methods_runs_the_real_federation_per_method(tmp_path):
     done = run_fedrl("bench", "methods", *args, "--workers", "1", "--out", str(alone), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["curve"] for r in json.loads(alone.read_text())["runs"]] == [r["curve"] for r in data["runs"]]
-    assert [r["method"] for r in data["runs"]] == ["dg", "ppo"]
+    assert [(r["method"], r["seed"]) for r in data["runs"]] == [("dg", 1), ("ppo", 1)]
     for run in data["runs"]:
         assert run["samples"] > 0 and run["curve"][0][1] == 0 and 0 <= run["best_eval"] <= 1
         summary = json.loads(
             (
                 tmp_path
                 / next(tmp_path.glob("methods-runs-*")).name
-                / f"{run['method']}-seed0"
+                / f"{run['method']}-seed1"
                 / "summary.json"
             ).read_text()
         )

@@ -89,7 +89,10 @@ def samples_to_target(curve: list[tuple[float, int, float]], target: float) -> i
 
 def add_arguments(parser) -> None:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--seeds", type=integer(1), help="seeds per method (default 3; quick 1)")
+    parser.add_argument("--seed", type=integer(0), default=0, help="the first seed")
+    parser.add_argument(
+        "--seeds", type=integer(1), help="seeds per method, SEED, SEED+1, ... (default 3; quick 1)"
+    )
     parser.add_argument("--clients", type=integer(1), help="clients (default 8; quick 4)")
     parser.add_argument("--budget-s", type=float, help="virtual seconds per run (default 60; quick 10)")
     parser.add_argument("--target", type=float, default=0.15, help="held-out greedy error to reach")
@@ -226,7 +229,7 @@ def main(args) -> int:
         sim = sim.replace(step_s=step_s or sim.step_s)
         return {"cfg": cfg, "sim": sim, "clients": clients, "engine": args.engine, "target": args.target}
 
-    order = [(seed, method) for seed in range(seeds) for method in args.methods]
+    order = [(seed, method) for seed in range(args.seed, args.seed + seeds) for method in args.methods]
     workers = side_by_side(args.workers, sim_for(0).clock, args.engine)
     results, step_s = run_with_one_unit(run_case, case_for, order, args.step_s, workers, "bench methods")
     summary = {m: method_summary([r for r in results if r["method"] == m]) for m in args.methods}
