@@ -32,6 +32,7 @@ NOTABLE = {
     "resumed",
     "stopped",
     "late",
+    "resting",
     "checkpoint-skipped",
 }
 log = logging.getLogger("fedrl.events")
