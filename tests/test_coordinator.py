@@ -497,6 +497,15 @@ def reversing_node(cfg, attacker: int, client_app, profiles=None):
     return grid
 
 
+def rests_doubling(rests: list[dict], cap: int = 32) -> list[int]:
+    """The rests' rounds, checked to double after each refusal in a row up to the cap, or to
+    start again at 1 after an accepted update (one of zeros, when the honest update it reverses
+    moved nothing, is accepted)."""
+    rounds = [e["rounds"] for e in rests]
+    assert rounds and rounds[0] == 1 and all(b in (1, min(2 * a, cap)) for a, b in zip(rounds, rounds[1:]))
+    return rounds
+
+
 def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path):
     """Node 1 reverses its updates along the probe's reference direction. Once the check has
     enough cosines to measure their spread, each of node 1's updates is refused (cause
@@ -517,7 +526,7 @@ def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path)
     assert summary["versions"] >= 6
     rests = [e for e in summary["events"] if e["kind"] == "resting"]
     assert [e["node"] for e in rests] == [1] * len(refused), rests
-    assert [e["rounds"] for e in rests] == [2**i for i in range(len(refused))]
+    assert max(rests_doubling(rests)) >= 2
     asked = {node: summary["clients"][str(node)]["messages"] for node in (1, 2, 3)}
     assert asked[1] < asked[2] == asked[3], asked  # sync rounds: the honest nodes are asked every one
     from fedrl.strategies.checkpoint import load_checkpoints
@@ -540,8 +549,8 @@ def test_a_refused_client_is_asked_nothing_until_its_rest_is_over_on_a_virtual_c
     assert summary["versions"] >= 10
     events = summary["events"]
     rests = [e for e in events if e["kind"] == "resting"]
-    assert len(rests) >= 2 and {e["node"] for e in rests} == {1}, rests
-    assert [e["rounds"] for e in rests] == [2**i for i in range(len(rests))]
+    assert {e["node"] for e in rests} == {1}, rests
+    assert max(rests_doubling(rests)) >= 4
     checked = 0
     for rest in rests:
         replies = [e for e in events if e["kind"] == "reply" and e["node"] == 1 and e["t"] > rest["t"]]
