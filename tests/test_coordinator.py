@@ -459,7 +459,7 @@ def test_a_run_resumed_into_a_quiet_spell_keeps_its_peak_step(tmp_path):
     assert refusals[False] and "x the median" in refusals[False][0]["reason"], refusals[False]
 
 
-def reversing_node(cfg, attacker: int, client_app, profiles=None):
+def reversing_node(cfg, attacker: int, client_app):
     """A FakeGrid whose node `attacker` hands in, at its honest update's size, a step straight
     down the probe's reference direction (what an attacker trained to raise the error sends):
     inside every norm bound, so only the direction check can tell."""
@@ -494,7 +494,7 @@ def reversing_node(cfg, attacker: int, client_app, profiles=None):
         return with_report(msg, reply, upload_key=key)
 
     grid = FakeGrid(cfg.min_nodes, client_app, script)
-    return grid
+    return grid  # the script reads what its node holds from it
 
 
 def rests_doubling(rests: list[dict], cap: int = 32) -> list[int]:
