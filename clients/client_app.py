@@ -200,6 +200,14 @@ def record_status(state_dir: str, instr: TrainInstruction, report: TrainReport, 
     )
 
 
+# what a notice says in the node's status file (its owner's status line reads it)
+NOTICE_STATUS = {
+    "goodbye": lambda instr: {"phase": "left", "acknowledged": True},
+    "run-over": lambda instr: {"phase": "idle", "run_over": True},
+    "rest": lambda instr: {"phase": "resting", "rest_until": time.time() + instr.rest_s},
+}
+
+
 def make_client_app(mods: list | None = None, models: ModelCache | None = None) -> ClientApp:
     app = ClientApp(mods=mods or [])
     cache = models or ModelCache()
@@ -218,12 +226,7 @@ def make_client_app(mods: list | None = None, models: ModelCache | None = None) 
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(err)), reply_to=msg)
         if instr.action in NOTICES:  # its owner may stop it (nobody reads the reply)
             if node.state_dir:
-                said = (
-                    {"phase": "left", "acknowledged": True}
-                    if instr.action == "goodbye"
-                    else {"run_over": True}
-                )
-                update_status(node.state_dir, **said, updated_at=time.time())
+                update_status(node.state_dir, **NOTICE_STATUS[instr.action](instr), updated_at=time.time())
             return Message(RecordDict(), reply_to=msg)
         instr = within_caps(instr, probe, context.state)
         if node.max_threads:

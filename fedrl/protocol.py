@@ -21,8 +21,10 @@ MESSAGE_TYPE = "train.block"
 MODES = ("parablock", "block-sequential", "fedavg-lora")
 # train: a round on a block; flush: hand in the pending delta only; goodbye: the node that withdrew is
 # off the schedule (its owner may stop it: its last reply was pulled); run-over: the run ended and
-# every reply was pulled (an owner who withdraws now has nothing left to wait for)
-NOTICES = ("goodbye", "run-over")  # they ask for no work; nobody reads their answers
+# every reply was pulled (an owner who withdraws now has nothing left to wait for); rest: the
+# node's last updates were refused for their direction, and it is asked nothing for rest_s
+# seconds (its replies were pulled: its owner may leave at once)
+NOTICES = ("goodbye", "run-over", "rest")  # they ask for no work; nobody reads their answers
 ACTIONS = ("train", "flush", *NOTICES)
 NO_UPLOAD = -2  # upload_block when a reply carries no upload
 LEAVING = ("", "after-flush", "now")
@@ -122,11 +124,16 @@ class TrainInstruction(LearnerSettings):
     # the state hash of v0 as published: a node whose own seeded adapter, cast to wire_dtype,
     # hashes the same holds v0 without downloading it ("": no such claim)
     origin_hash: str = ""
+    rest_s: float = 0.0  # a rest notice: seconds on the run's clock the node is asked nothing
 
     @model_validator(mode="after")
     def _consistent(self):
         if self.action not in ACTIONS or self.mode not in MODES:
             raise ValueError(f"unknown action {self.action!r} or mode {self.mode!r}")
+        if not (0 < self.rest_s < float("inf") if self.action == "rest" else self.rest_s == 0):
+            raise ValueError(
+                f"rest_s must be > 0 and finite in a rest notice and 0 otherwise, got {self.rest_s}"
+            )
         if self.steps < 0 or self.version < 0 or self.client_id < 0:
             raise ValueError("steps, version and client_id must be >= 0")
         check_upload_density(self.upload_density, self.mode)
@@ -157,6 +164,7 @@ class InstructionHead(Schema):
     seed: int
     client_id: int
     settings_id: str
+    rest_s: float = 0.0
 
     @classmethod
     def layout_source(cls) -> str:

@@ -477,10 +477,10 @@ class Coordinator:
         for node in sorted(self.members.present):
             self.notify(node, "run-over")
 
-    def notify(self, node: int, action: str) -> None:
-        """An instruction off the schedule (a goodbye, the run's end): it trains no block."""
+    def notify(self, node: int, action: str, rest_s: float = 0.0) -> None:
+        """An instruction off the schedule (a goodbye, the run's end, a rest): it trains no block."""
         block = ALL_BLOCKS if self.cfg.mode == "fedavg-lora" else 0
-        self.push(node, self.instruction(node, block, 0, action), NOTICE_TTL_S)
+        self.push(node, self.instruction(node, block, 0, action, rest_s), NOTICE_TTL_S)
 
     def forget(self, node: int) -> None:
         """What a node that left held goes with it: its unsent delta, and the settings (if it comes
@@ -500,7 +500,9 @@ class Coordinator:
 
     # ------------------------------------------------------------------ dispatch and replies
 
-    def instruction(self, node: int, block: int, steps: int, action: str) -> TrainInstruction:
+    def instruction(
+        self, node: int, block: int, steps: int, action: str, rest_s: float = 0.0
+    ) -> TrainInstruction:
         cfg = self.cfg
         principal = node_principal(node)
         token = self.tokens.get(node)
@@ -521,10 +523,11 @@ class Coordinator:
             seed=cfg.seed,
             client_id=self.members.client_id(node),
             data_shards=cfg.shards,
-            round=self.rounds.get(node, 0),  # a notice (goodbye, run-over) is no round of its own
+            round=self.rounds.get(node, 0),  # a notice (goodbye, run-over, rest) is no round of its own
             upload_density=cfg.upload_density,
             wire_dtype=cfg.wire_dtype,
             origin_hash=self.origin_hash,
+            rest_s=rest_s,
         )
 
     def dispatch(self, node: int, action: str = "train") -> None:
@@ -682,6 +685,8 @@ class Coordinator:
             rest_s=round(rest_s, 3),
             reason=f"{refusals} update(s) in a row refused for their direction: sits out {rounds} round(s)",
         )
+        if rest_s > 0:  # else its owner sees a node that gets no work, and no why
+            self.notify(d.node, "rest", rest_s)
 
     def client_entry(self, node: int) -> dict:
         return self.clients.setdefault(

@@ -512,7 +512,8 @@ def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path)
     `direction`) and its record is in the checkpoint. After each refusal it sits out 1, 2,
     4, ... rounds, so it is asked fewer rounds than the honest nodes."""
     cfg = config(tmp_path, mode="block-sequential", sync=True, versions=6, direction_probe=16)
-    summary = run_coordinator(reversing_node(cfg, 1, client_app), cfg)
+    grid = reversing_node(cfg, 1, client_app)
+    summary = run_coordinator(grid, cfg)
     mine = [e for e in summary["events"] if e["kind"] in ("accepted", "rejected") and e["node"] == 1]
     # straight down the reference (a round whose honest update was empty hands in nothing: 0)
     assert sum(e["cosine"] < -0.9 for e in mine) >= len(mine) - 1, mine
@@ -527,6 +528,9 @@ def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path)
     rests = [e for e in summary["events"] if e["kind"] == "resting"]
     assert [e["node"] for e in rests] == [1] * len(refused), rests
     assert max(rests_doubling(rests)) >= 2
+    # each rest is told to the node, with its length: its owner would otherwise see no work, and no why
+    told = [instr["rest_s"] for node, instr in grid.sent if instr["action"] == "rest"]
+    assert told == pytest.approx([e["rest_s"] for e in rests], abs=1e-3) and all(told), told
     asked = {node: summary["clients"][str(node)]["messages"] for node in (1, 2, 3)}
     assert asked[1] < asked[2] == asked[3], asked  # sync rounds: the honest nodes are asked every one
     from fedrl.strategies.checkpoint import load_checkpoints

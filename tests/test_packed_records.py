@@ -56,7 +56,15 @@ def test_a_report_comes_back_exactly_and_smaller_than_named(report):
 
 def test_an_instruction_head_comes_back_exactly():
     head = InstructionHead(
-        action="train", block=2, steps=64, version=9, round=3, seed=7, client_id=4, settings_id="ab" * 8
+        action="train",
+        block=2,
+        steps=64,
+        version=9,
+        round=3,
+        seed=7,
+        client_id=4,
+        settings_id="ab" * 8,
+        rest_s=2.5,
     )
     assert InstructionHead.from_packed(over_the_wire(head.to_packed())) == head
 

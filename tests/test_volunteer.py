@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -282,6 +283,58 @@ def test_a_fedavg_run_says_goodbye_to_a_volunteer_and_tells_the_others_it_is_ove
     assert "(run over)" in status_text(stayer, stayer_status)
 
 
+def test_a_rest_notice_tells_the_volunteer_why_it_gets_no_work_and_until_when(tmp_path):
+    """A node whose updates the direction check refused is asked nothing for a while; the
+    coordinator's notice puts that in its status, so its owner's status line says why and until
+    when, and the run's end afterwards shows it idle."""
+    from fedrl.clients.client_app import NOTICE_STATUS
+    from fedrl.protocol import NOTICES
+    from fedrl.strategies.coordinator import Coordinator
+
+    assert set(NOTICE_STATUS) == set(NOTICES)
+    grid = FakeGrid(3, client_app)
+    grid.contexts[1].node_config = {"state-dir": str(tmp_path / "node")}
+    (tmp_path / "node").mkdir()
+    with Coordinator(grid, small_config(tmp_path)) as coordinator:
+        before = time.time()
+        coordinator.notify(1, "rest", 90.0)
+        status = json.loads((tmp_path / "node" / STATUS).read_text())
+        assert status["phase"] == "resting" and before + 90 <= status["rest_until"] <= time.time() + 90
+        line = status_text(1, status)
+        until = time.strftime("%H:%M:%S", time.localtime(status["rest_until"]))
+        assert f"resting until {until} (updates refused for their direction)" in line, line
+        coordinator.notify(1, "run-over")
+    status = json.loads((tmp_path / "node" / STATUS).read_text())
+    assert status["phase"] == "idle" and "resting" not in status_text(1, status)
+    assert [instr["action"] for _, instr in grid.sent] == ["rest", "run-over"]
+
+
+@pytest.mark.parametrize(
+    "action, rest_s", [("rest", 0.0), ("rest", -1.0), ("rest", float("inf")), ("train", 5.0)]
+)
+def test_an_instruction_with_a_rest_that_does_not_fit_its_action_is_refused(action, rest_s):
+    from fedrl.protocol import TrainInstruction
+
+    fields = dict(
+        **LEARNER,
+        action=action,
+        mode="parablock",
+        block=0,
+        steps=1,
+        version=0,
+        store_url="u",
+        principal="p",
+        token="t",
+        public_key="k",
+        seed=0,
+        client_id=0,
+        data_shards=1,
+        rest_s=rest_s,
+    )
+    with pytest.raises(ValueError, match="rest_s must be > 0 and finite in a rest notice and 0 otherwise"):
+        TrainInstruction(**fields)
+
+
 def test_the_cli_fails_clearly_on_a_bad_invite_and_an_unreachable_store(tmp_path, ca):
     fedrl = [sys.executable, "-m", "fedrl.cli"]
     bad = subprocess.run(
@@ -454,13 +507,14 @@ def test_an_instruction_of_another_fedrl_version_is_refused_and_shown_until_a_ro
         ("flush", {"phase": "idle", "run_over": True, "holds_delta": True}, "STARTED SENT", 0, True),
         ("flush", {"phase": "idle", "run_over": True}, "STARTED SENT STARTED", 0, False),  # answering it
         ("flush", {"phase": "idle", "run_over": True}, "STARTED SENT STARTED DROPPED", 0, True),  # too late
+        # resting: its refused reply was pulled and it is asked nothing for a while
+        ("flush", {"phase": "resting", "holds_delta": True}, "STARTED SENT STARTED SENT", 0, True),
+        ("flush", {"phase": "resting"}, "STARTED SENT STARTED", 0, False),  # answering the notice
     ],
 )
 def test_a_withdrawal_stops_the_supernode_only_once_nothing_is_left_to_send(
     tmp_path, ca, on_exit, status, log, waited_s, stops
 ):
-    import time
-
     from fedrl.volunteer.home import VolunteerHome
     from fedrl.volunteer.session import DROPPED, SENT, STARTED, Session
 
@@ -474,8 +528,6 @@ def test_a_withdrawal_stops_the_supernode_only_once_nothing_is_left_to_send(
 
 
 def test_an_expired_invite_enrolls_nothing_but_an_approved_node_still_rejoins(tmp_path, ca):
-    import time
-
     from rich.console import Console
 
     from fedrl.node_files import APPROVED, write_atomic

@@ -310,13 +310,15 @@ class Session:
     def left(self, status: dict, log: str) -> bool:
         """Nothing is left to send: no message is being handled and no reply is on its way
         (stopping the SuperNode sooner loses the reply and the delta it carries), the coordinator
-        said goodbye or that the run is over (or GOODBYE_WAIT_S passed since the last reply without
-        either), and no delta waits to be handed in with a next message (for at most IDLE_LEAVE_S)."""
+        said goodbye, that the run is over or that the node rests (or GOODBYE_WAIT_S passed since
+        the last reply without any of them), and no delta waits to be handed in with a next message
+        (for at most IDLE_LEAVE_S)."""
         waited = time.monotonic() - self.leave_at
         busy = log.count(SENT) + log.count(DROPPED) < log.count(STARTED) or status.get("phase") == "working"
         if busy:
             return waited > self.exit_timeout_s
-        if status.get("acknowledged") or status.get("run_over"):  # every reply was pulled
+        # every reply was pulled (a rest follows a reply the coordinator pulled and refused)
+        if status.get("acknowledged") or status.get("run_over") or status.get("phase") == "resting":
             return True
         if status.get("phase") == "idle" and status.get("holds_delta") and self.on_exit == "flush":
             return waited > IDLE_LEAVE_S
@@ -381,6 +383,8 @@ class Session:
                     if status.get("acknowledged")
                     else "the run was over"
                     if status.get("run_over")
+                    else "the coordinator had pulled its replies"
+                    if status.get("phase") == "resting"
                     else "no goodbye came"
                 )
                 self.say(f"left the federation cleanly ({status.get('phase', 'idle')}, {said}); bye")
@@ -430,6 +434,9 @@ def status_text(node_id, s: dict) -> str:
     kb = lambda n: f"{n / 1000:,.0f} kB"  # noqa: E731
     g = s.get
     phase = g("phase", "?") + (" (run over)" if g("run_over") else "")
+    if g("phase") == "resting":  # asked nothing until then: its last updates were refused
+        until = time.strftime("%H:%M:%S", time.localtime(g("rest_until", 0)))
+        phase += f" until {until} (updates refused for their direction)"
     memory = f" | out of memory {g('memory_retries')}x: {g('prompts')} prompts a step"
     return (
         f"node {node_id} | {phase} | v{g('version', '?')} held v{g('synced_version', '?')}"
