@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fake_grid import FakeGrid, at_protocol, small_config
+from fake_grid import FakeGrid, at_protocol, instruction_record, small_config
 
 from fedrl.certs import make_ca, make_node_key
 from fedrl.clients.block_worker import ClientState, Pending
@@ -315,24 +315,8 @@ def test_a_rest_notice_tells_the_volunteer_why_it_gets_no_work_and_until_when(tm
 def test_an_instruction_with_a_rest_that_does_not_fit_its_action_is_refused(action, rest_s):
     from fedrl.protocol import TrainInstruction
 
-    fields = dict(
-        **LEARNER,
-        action=action,
-        mode="parablock",
-        block=0,
-        steps=1,
-        version=0,
-        store_url="u",
-        principal="p",
-        token="t",
-        public_key="k",
-        seed=0,
-        client_id=0,
-        data_shards=1,
-        rest_s=rest_s,
-    )
     with pytest.raises(ValueError, match="rest_s must be > 0 and finite in a rest notice and 0 otherwise"):
-        TrainInstruction(**fields)
+        TrainInstruction(**instruction_record(action=action, rest_s=rest_s))
 
 
 def test_the_cli_fails_clearly_on_a_bad_invite_and_an_unreachable_store(tmp_path, ca):
