@@ -122,31 +122,42 @@ def update_norm(delta: Mapping[str, torch.Tensor]) -> float:
     return float(torch.sqrt(sum((t.double() ** 2).sum() for t in delta.values())))
 
 
-# An honest update may undo part of the last step, and is then a little nearer an older state
-# now and then (1-2% of honest updates at lr 5e-4, by at most 6%); a base liar is far nearer.
+# An upload made on an older state lands its own update's length from that state, however far
+# the block moved since; an honest update that undoes the last steps (Adam's steps from scratch
+# are larger than a version's move, and turn back) lands beside it, moved sideways by most of its
+# length. Nearer by the margin alone refused 2-6% of honest updates from scratch (lr 3e-4, gaps of
+# 2-9 versions: the update overshot the way back by about a tenth and moved sideways 0.75 of its
+# length); 1-2% at lr 5e-4 fine-tuning without the slack.
 ROLLBACK_SLACK = 1  # versions older than the named base before a state counts
-ROLLBACK_MARGIN = 0.8  # ... and nearer by this factor
+ROLLBACK_MARGIN = 0.8  # the upload nearer to that state than to the base by this factor ...
+ROLLBACK_REACH = 0.5  # ... and within this share of the way from that state to the base
 
 
 def older_base(
     new: Mapping[str, torch.Tensor], base_version: int, retained: Mapping[int, Mapping[str, torch.Tensor]]
 ) -> int | None:
     """The version of a retained global state, more than ROLLBACK_SLACK older than the base an
-    upload names, that its new values are nearer to (by ROLLBACK_MARGIN) than to that base;
-    None if there is none. An update trained on an old state and labelled with a newer base
-    shows this way: measured against the base it names, it would move the block back toward the
-    old state by all that was merged between."""
-
-    def distance(version: int) -> float:
-        state = retained[version]
-        return update_norm({n: new[n].float() - state[n].float() for n in new})
-
-    if base_version not in retained:
+    upload names, that its new values are nearer to (by ROLLBACK_MARGIN) than to that base and
+    within ROLLBACK_REACH of the way from it to the base; None if there is none. An update
+    trained on an old state and labelled with a newer base shows this way: measured against the
+    base it names, it would move the block back toward the old state by all that was merged
+    between. One that lands farther out rolls the block back by at most about twice its own
+    length, which the norm refusal and the clip bound like any update's."""
+    base = retained.get(base_version)
+    if base is None:
         return None
-    claimed = distance(base_version)
-    older = {v: distance(v) for v in retained if v < base_version - ROLLBACK_SLACK}
-    nearest = min(older, key=older.get, default=None)
-    return nearest if nearest is not None and older[nearest] < ROLLBACK_MARGIN * claimed else None
+
+    def distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+        return update_norm({n: a[n].float() - b[n].float() for n in new})
+
+    claimed = distance(new, base)
+    found = {}
+    for version, state in retained.items():
+        if version < base_version - ROLLBACK_SLACK:
+            near = distance(new, state)
+            if near < ROLLBACK_MARGIN * claimed and near < ROLLBACK_REACH * distance(base, state):
+                found[version] = near
+    return min(found, key=found.get, default=None)
 
 
 MIN_REFERENCE = 3  # norms of other updates needed before one can be called an outlier

@@ -288,6 +288,44 @@ def test_an_honest_update_smaller_than_half_the_way_back_is_never_refused(steps,
     assert older_base({"w": states[steps]["w"] + u}, steps, states) is None
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.integers(2, 8), st.integers(0, 2**16), st.integers(0, 1_000), st.floats(0.0, 0.4))
+def test_an_update_made_on_an_older_state_is_found_when_the_way_back_is_over_twice_its_length(
+    steps, seed, older, fraction
+):
+    """A liar's upload lies its update's length from the state it was made on: with that length
+    at most 0.4 of the way to the base it names, it is nearer that state by the margin
+    (|u| < 0.8 |u - way| once |way| > 2.25 |u|) and within half the way, whatever its direction."""
+    states = _trajectory(steps, seed)
+    made_on = older % (steps - 1)  # more than the slack behind the base
+    way = update_norm({"w": states[steps]["w"] - states[made_on]["w"]})
+    g = torch.Generator().manual_seed(seed + 2)
+    direction = torch.randn(64, generator=g)
+    u = direction * (fraction * way / float(direction.norm()))
+    assert older_base({"w": states[made_on]["w"] + u}, steps, states) is not None
+
+
+def test_an_honest_update_that_turns_back_and_moves_sideways_is_not_a_rollback():
+    """What Adam does from scratch: a client's update is larger than a version's move and may
+    undo it, overshooting the older state by a tenth of the way and moving sideways by 0.75 of its
+    own length (seen in a DG run: nearer that state than the base by 25%). It lands far from the
+    older state next to how far the block moved, so it is no liar's: that one lands at its own
+    update's length from the state it was made on, however far the block moved since."""
+    states = {0: {"w": torch.zeros(64)}, 1: {"w": torch.zeros(64)}, 2: {"w": torch.zeros(64)}}
+    way = torch.zeros(64)
+    way[0] = 0.6  # the block's move from v0 to v2
+    states[2] = {"w": way}
+    sideways = torch.zeros(64)
+    sideways[1] = 0.75
+    update = -1.1 * way + sideways
+    new = {"w": states[2]["w"] + update}
+    near, claimed = update_norm({"w": new["w"]}), update_norm({"w": update})
+    assert near < 0.8 * claimed  # the margin alone called it a rollback
+    assert older_base(new, 2, states) is None
+    # a liar that far from v0 as its own update, made on v0, is found
+    assert older_base({"w": 0.1 * sideways}, 2, states) == 0
+
+
 def test_a_block_whose_updates_all_weigh_nothing_stays_where_it_is():
     """The direction weighting gives an update that points away from the answers weight 0; when
     every update of a block does, the block does not move (0 / 0 would be NaN in every value)."""
