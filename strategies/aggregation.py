@@ -125,9 +125,9 @@ def update_norm(delta: Mapping[str, torch.Tensor]) -> float:
 # An upload made on an older state lands its own update's length from that state, however far
 # the block moved since; an honest update that undoes the last steps (Adam's steps from scratch
 # are larger than a version's move, and turn back) lands beside it, moved sideways by most of its
-# length. Nearer by the margin alone refused 2-6% of honest updates from scratch (lr 3e-4, gaps of
-# 2-9 versions: the update overshot the way back by about a tenth and moved sideways 0.75 of its
-# length); 1-2% at lr 5e-4 fine-tuning without the slack.
+# length. Nearer by the margin alone refused 0.4-5.7% of honest updates per run from scratch
+# (lr 3e-4, 2-9 versions back: such an update undid 0.8-1.5 of the way back and moved sideways
+# by 0.56-0.78 of its length, 10th-90th percentiles of 88); 1-2% at lr 5e-4 fine-tuning without the slack.
 ROLLBACK_SLACK = 1  # versions older than the named base before a state counts
 ROLLBACK_MARGIN = 0.8  # the upload nearer to that state than to the base by this factor ...
 ROLLBACK_REACH = 0.5  # ... and within this share of the way from that state to the base
