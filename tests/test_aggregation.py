@@ -311,10 +311,9 @@ def test_an_honest_update_that_turns_back_and_moves_sideways_is_not_a_rollback()
     own length (seen in a DG run: nearer that state than the base by 25%). It lands far from the
     older state next to how far the block moved, so it is no liar's: that one lands at its own
     update's length from the state it was made on, however far the block moved since."""
-    states = {0: {"w": torch.zeros(64)}, 1: {"w": torch.zeros(64)}, 2: {"w": torch.zeros(64)}}
     way = torch.zeros(64)
     way[0] = 0.6  # the block's move from v0 to v2
-    states[2] = {"w": way}
+    states = {0: {"w": torch.zeros(64)}, 1: {"w": torch.zeros(64)}, 2: {"w": way}}
     sideways = torch.zeros(64)
     sideways[1] = 0.75
     update = -1.1 * way + sideways
