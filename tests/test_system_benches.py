@@ -230,6 +230,37 @@ def test_samples_to_target_counts_every_step_the_clients_ran_before_the_eval():
     assert samples_to_target(curve, 0.3) == 66 and samples_to_target(curve, 0.1) is None
 
 
+def test_bench_methods_puts_each_method_against_dg_on_the_means_and_seed_by_seed():
+    from fedrl.sim.bench.methods import against_dg, against_table
+
+    def run(method, seed, reached, samples):
+        return {"method": method, "seed": seed, "samples_to_target": reached, "samples": samples}
+
+    results = [
+        run("dg", 0, 100, 120),
+        run("ppo", 0, 150, 160),
+        run("dg", 1, 200, 210),
+        run("ppo", 1, None, 900),  # never got there: its 900 samples are a lower bound
+        run("dg", 2, 100, 100),
+        run("ppo", 2, 400, 400),
+    ]
+    ppo = against_dg(results)["ppo"]
+    assert ppo["on_means"]["ratio"] == pytest.approx((150 + 900 + 400) / (100 + 200 + 100))
+    assert ppo["on_means"]["lower_bound"] is True
+    assert [r["ratio"] for r in ppo["per_seed"]] == [1.5, 4.5, 4.0]
+    assert [r["lower_bound"] for r in ppo["per_seed"]] == [False, True, False]
+    assert ppo["median_per_seed"] == 4.0
+    assert against_table({"ppo": ppo}) == (
+        "ppo / dg samples to target: >= 3.62x on the means; per seed 1.50x, >= 4.50x, 4.00x (median 4.00x)"
+    )
+    # a DG run that never got there leaves that seed, and the means, without a ratio
+    results[4] = run("dg", 2, None, 500)
+    ppo = against_dg(results)["ppo"]
+    assert ppo["on_means"]["ratio"] is None and ppo["per_seed"][2]["ratio"] is None
+    assert ppo["median_per_seed"] == 3.0
+    assert against_dg([r for r in results if r["method"] == "ppo"]) == {}  # no DG: nothing to set against
+
+
 def test_bench_methods_runs_the_real_federation_per_method(tmp_path):
     import json
 

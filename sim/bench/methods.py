@@ -24,6 +24,7 @@ from fedrl.sim.bench.async_rounds import (
     add_set_argument,
     add_step_s_argument,
     bench_run_config,
+    ratio_to_reference,
     run_with_one_unit,
     runs_dir,
     side_by_side,
@@ -233,6 +234,7 @@ def main(args) -> int:
     workers = side_by_side(args.workers, sim_for(0).clock, args.engine)
     results, step_s = run_with_one_unit(run_case, case_for, order, args.step_s, workers, "bench methods")
     summary = {m: method_summary([r for r in results if r["method"] == m]) for m in args.methods}
+    against = against_dg(results)
     out = write_json(
         {
             "benchmark": "methods",
@@ -244,6 +246,7 @@ def main(args) -> int:
             "step_s": step_s,
             "wall_s": time.perf_counter() - start,
             "summary": summary,
+            "against_dg": against,
             "runs": results,
         },
         args.out,
@@ -255,6 +258,7 @@ def main(args) -> int:
         title = f"federated RL, volunteers {', '.join(shares) or 'without frictions'}: loss by loss"
     plot(results, args.target, out.with_suffix(".png"), title)
     print(table(summary, seeds))
+    print(against_table(against))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
@@ -278,6 +282,56 @@ def method_summary(runs: list[dict]) -> dict:
         "best_eval": float(np.mean([r["best_eval"] for r in runs])),
         "final_eval": float(np.mean([r["final_eval"] for r in runs])),
     }
+
+
+def against_dg(results: list[dict]) -> dict:
+    """Each other method's samples to the target over DG's (the papers' claim is DG's lead):
+    on the means over seeds, and seed by seed with their median. A run of the other method that
+    never got there counts all its samples, so the ratio is then a lower bound (`lower_bound`);
+    where a DG run never got there, there is no ratio (None)."""
+    runs = {(r["method"], r["seed"]): r for r in results}
+    seeds = sorted(seed for method, seed in runs if method == "dg")
+    out = {}
+    if not seeds:
+        return out
+    for method in dict.fromkeys(r["method"] for r in results):
+        if method == "dg":
+            continue
+        pairs = [(runs[(method, s)], runs[("dg", s)]) for s in seeds if (method, s) in runs]
+        per_seed = [
+            ratio_to_reference(other["samples_to_target"], other["samples"], dg["samples_to_target"])
+            for other, dg in pairs
+        ]
+        missed = [o["samples_to_target"] is None for o, _ in pairs]
+        spent = [o["samples"] if m else o["samples_to_target"] for (o, _), m in zip(pairs, missed)]
+        dg_took = [dg["samples_to_target"] for _, dg in pairs]
+        means = (
+            {"ratio": None, "lower_bound": False}
+            if not pairs or None in dg_took
+            else {"ratio": float(np.mean(spent) / np.mean(dg_took)), "lower_bound": any(missed)}
+        )
+        known = [r["ratio"] for r in per_seed if r["ratio"] is not None]
+        out[method] = {
+            "on_means": means,
+            "per_seed": per_seed,
+            "median_per_seed": float(np.median(known)) if known else None,
+        }
+    return out
+
+
+def against_table(against: dict) -> str:
+    def fmt(r: dict) -> str:
+        return "-" if r["ratio"] is None else f"{'>= ' if r['lower_bound'] else ''}{r['ratio']:.2f}x"
+
+    lines = []
+    for method, a in against.items():
+        median = a["median_per_seed"]
+        lines.append(
+            f"{method} / dg samples to target: {fmt(a['on_means'])} on the means; per seed "
+            f"{', '.join(fmt(r) for r in a['per_seed'])}"
+            + (f" (median {median:.2f}x)" if median is not None else "")
+        )
+    return "\n".join(lines)
 
 
 def table(summary: dict, seeds: int) -> str:
