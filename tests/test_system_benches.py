@@ -231,10 +231,21 @@ def test_samples_to_target_counts_every_step_the_clients_ran_before_the_eval():
 
 
 def test_bench_methods_puts_each_method_against_dg_on_the_means_and_seed_by_seed():
-    from fedrl.sim.bench.methods import against_dg, against_table
+    from fedrl.sim.bench.methods import against_dg, against_table, method_summary
 
     def run(method, seed, reached, samples):
-        return {"method": method, "seed": seed, "samples_to_target": reached, "samples": samples}
+        return {
+            "method": method,
+            "seed": seed,
+            "samples_to_target": reached,
+            "samples": samples,
+            **{"time_to_target_s": 1.0, "virtual_s": 2.0, "best_eval": 0.1, "final_eval": 0.2},
+        }
+
+    def against(results):
+        methods = dict.fromkeys(r["method"] for r in results)
+        summary = {m: method_summary([r for r in results if r["method"] == m]) for m in methods}
+        return against_dg(summary, results)
 
     results = [
         run("dg", 0, 100, 120),
@@ -244,7 +255,7 @@ def test_bench_methods_puts_each_method_against_dg_on_the_means_and_seed_by_seed
         run("dg", 2, 100, 100),
         run("ppo", 2, 400, 400),
     ]
-    ppo = against_dg(results)["ppo"]
+    ppo = against(results)["ppo"]
     assert ppo["on_means"]["ratio"] == pytest.approx((150 + 900 + 400) / (100 + 200 + 100))
     assert ppo["on_means"]["lower_bound"] is True
     assert [r["ratio"] for r in ppo["per_seed"]] == [1.5, 4.5, 4.0]
@@ -255,10 +266,10 @@ def test_bench_methods_puts_each_method_against_dg_on_the_means_and_seed_by_seed
     )
     # a DG run that never got there leaves that seed, and the means, without a ratio
     results[4] = run("dg", 2, None, 500)
-    ppo = against_dg(results)["ppo"]
+    ppo = against(results)["ppo"]
     assert ppo["on_means"]["ratio"] is None and ppo["per_seed"][2]["ratio"] is None
     assert ppo["median_per_seed"] == 3.0
-    assert against_dg([r for r in results if r["method"] == "ppo"]) == {}  # no DG: nothing to set against
+    assert against([r for r in results if r["method"] == "ppo"]) == {}  # no DG: nothing to set against
 
 
 def test_bench_methods_runs_the_real_federation_per_method(tmp_path):

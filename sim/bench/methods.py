@@ -234,7 +234,7 @@ def main(args) -> int:
     workers = side_by_side(args.workers, sim_for(0).clock, args.engine)
     results, step_s = run_with_one_unit(run_case, case_for, order, args.step_s, workers, "bench methods")
     summary = {m: method_summary([r for r in results if r["method"] == m]) for m in args.methods}
-    against = against_dg(results)
+    against = against_dg(summary, results)
     out = write_json(
         {
             "benchmark": "methods",
@@ -284,35 +284,31 @@ def method_summary(runs: list[dict]) -> dict:
     }
 
 
-def against_dg(results: list[dict]) -> dict:
-    """Each other method's samples to the target over DG's (the papers' claim is DG's lead):
-    on the means over seeds, and seed by seed with their median. A run of the other method that
-    never got there counts all its samples, so the ratio is then a lower bound (`lower_bound`);
-    where a DG run never got there, there is no ratio (None)."""
-    runs = {(r["method"], r["seed"]): r for r in results}
-    seeds = sorted(seed for method, seed in runs if method == "dg")
+def against_dg(summary: dict, results: list[dict]) -> dict:
+    """Each other method's samples to the target over DG's (the papers' claim is DG's lead): on
+    the means of `summary` (method_summary's) and seed by seed, with their median. A run of the
+    other method that never got there counts all its samples, so the ratio is then a lower bound
+    (`lower_bound`); where a run of DG's never got there, there is no ratio (None)."""
+    dg = summary.get("dg")
+    if dg is None:
+        return {}
+    dg_runs = {r["seed"]: r for r in results if r["method"] == "dg"}
     out = {}
-    if not seeds:
-        return out
-    for method in dict.fromkeys(r["method"] for r in results):
+    for method, s in summary.items():
         if method == "dg":
             continue
-        pairs = [(runs[(method, s)], runs[("dg", s)]) for s in seeds if (method, s) in runs]
         per_seed = [
-            ratio_to_reference(other["samples_to_target"], other["samples"], dg["samples_to_target"])
-            for other, dg in pairs
+            ratio_to_reference(r["samples_to_target"], r["samples"], dg_runs[r["seed"]]["samples_to_target"])
+            for r in results
+            if r["method"] == method
         ]
-        missed = [o["samples_to_target"] is None for o, _ in pairs]
-        spent = [o["samples"] if m else o["samples_to_target"] for (o, _), m in zip(pairs, missed)]
-        dg_took = [dg["samples_to_target"] for _, dg in pairs]
-        means = (
-            {"ratio": None, "lower_bound": False}
-            if not pairs or None in dg_took
-            else {"ratio": float(np.mean(spent) / np.mean(dg_took)), "lower_bound": any(missed)}
-        )
         known = [r["ratio"] for r in per_seed if r["ratio"] is not None]
         out[method] = {
-            "on_means": means,
+            "on_means": ratio_to_reference(
+                s["samples_to_target"] if s["reached"] == s["runs"] else None,
+                s["samples_to_target"],
+                dg["samples_to_target"] if dg["reached"] == dg["runs"] else None,
+            ),
             "per_seed": per_seed,
             "median_per_seed": float(np.median(known)) if known else None,
         }
