@@ -129,18 +129,31 @@ def cmd_certs(args) -> int:
 def supernode(supernode_args: list[str]) -> int:
     from fedrl.deploy.federation import flwr_env, tool
     from fedrl.deploy.supernode_timing import split_args, supernode_argv, timing_parser
-    from fedrl.deploy.warm_clientapp import exec_with_launcher
+    from fedrl.deploy.warm_clientapp import WarmLauncher, exec_with_launcher
+
+    def with_launcher(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument(
+            "--warm-launcher",
+            type=Path,
+            help="the directory of a warm ClientApp launcher that the caller started and keeps across "
+            "SuperNode restarts (a volunteer's session does); without it the SuperNode starts its own",
+        )
+        return parser
 
     if {"-h", "--help", "-V", "--version"} & set(supernode_args):
         # Flower prints and exits: a launcher would only preload torch (and hold the output open
         # until it notices its parent is gone)
         if not {"-V", "--version"} & set(supernode_args):
-            own = timing_parser(prog="fedrl supernode", add_help=False).format_help()
+            own = with_launcher(timing_parser(prog="fedrl supernode", add_help=False)).format_help()
             print(f"fedrl's own options; the rest are flower-supernode's:\n{own}", flush=True)
         argv = [tool("flower-supernode"), *supernode_args]
         os.execve(argv[0], argv, flwr_env())
-    timing, flower_args = split_args(supernode_args)
-    exec_with_launcher(supernode_argv(flower_args, timing.poll_s, timing.heartbeat_s), flwr_env())
+    args, rest = with_launcher(argparse.ArgumentParser(add_help=False, allow_abbrev=False)).parse_known_args(
+        supernode_args
+    )
+    timing, flower_args = split_args(rest)
+    launcher = WarmLauncher.running_at(args.warm_launcher) if args.warm_launcher else None
+    exec_with_launcher(supernode_argv(flower_args, timing.poll_s, timing.heartbeat_s), flwr_env(), launcher)
     return 1  # not reached: the process is the SuperNode now
 
 

@@ -88,6 +88,19 @@ class WarmLauncher:
     def ready(self) -> bool:
         return self.socket_path.exists()
 
+    @classmethod
+    def running_at(cls, directory: Path) -> WarmLauncher:
+        """The launcher whose directory is `directory`, started by whoever passes it (a volunteer's
+        session keeps one across its SuperNode's restarts); ValueError for anything else."""
+        directory = Path(directory)
+        try:
+            owned = directory.owner() == getpass.getuser() and directory.stat().st_mode & 0o077 == 0
+        except (OSError, KeyError):
+            owned = False
+        if not owned or not (directory / "bin" / "flwr-clientapp").is_file():
+            raise ValueError(f"--warm-launcher {directory}: not the directory of a launcher of this user's")
+        return cls(directory)
+
 
 def prune_killed() -> None:
     """Remove the directories that killed launchers left (a launcher that exits removes its own)."""
@@ -101,11 +114,12 @@ def prune_killed() -> None:
             pass
 
 
-def exec_with_launcher(argv: list[str], env: dict[str, str]) -> None:
-    """Become `argv` (a SuperNode: `flower-supernode ...`), with a warm launcher as a child that
-    goes when it does; never returns."""
-    launcher = WarmLauncher.create()
-    launcher.start(env)
+def exec_with_launcher(argv: list[str], env: dict[str, str], launcher: WarmLauncher | None = None) -> None:
+    """Become `argv` (a SuperNode: `flower-supernode ...`) whose ClientApps `launcher` forks, or
+    without one a fresh launcher as a child that goes when it does; never returns."""
+    if launcher is None:
+        launcher = WarmLauncher.create()
+        launcher.start(env)
     os.execve(argv[0], argv, launcher.env(env))
 
 

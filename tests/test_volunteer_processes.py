@@ -135,6 +135,11 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
         assert a.status()["phase"] == "left" and a.status()["acknowledged"] is True
         assert "left the federation cleanly (left, the coordinator said goodbye)" in a.log()
         wait_for(lambda: b.status().get("rounds", 0) > b_rounds, 240, "B back at work")
+        # its comeback restarted the SuperNode while the SuperLink held the old session, each time
+        # with the one launcher its session keeps (importing torch and peft takes seconds of CPU)
+        node_log = (b.home.logs / "supernode.log").read_text()
+        assert node_log.count("Starting Flower SuperNode") >= 3, node_log[-3000:]
+        assert node_log.count("warm ClientApp launcher ready") == 2, node_log[-3000:]  # one a session
 
         # B withdraws in turn and A joins again: the run cannot end without A's comeback either
         b.proc.send_signal(signal.SIGINT)

@@ -133,4 +133,45 @@ def test_fedrl_supernode_hands_every_argument_to_flower_supernode():
         shown = subprocess.run(["fedrl", "supernode", asked], capture_output=True, text=True, timeout=120)
         assert shown.returncode == 0 and answer in shown.stdout, shown
         # Flower answers and exits: no launcher is warmed (it held the output open while it preloaded)
-        assert "warm ClientApp launcher" not in shown.stdout + shown.stderr, shown
+        assert "warm ClientApp launcher ready" not in shown.stdout + shown.stderr, shown
+
+
+def test_a_launcher_started_elsewhere_is_used_only_from_its_own_private_directory(launcher, tmp_path):
+    """`fedrl supernode --warm-launcher DIR` (a volunteer's session keeps one launcher across its
+    SuperNode's restarts) takes a launcher's 0700 directory of this user's, and nothing else."""
+    warm, _ = launcher
+    assert WarmLauncher.running_at(warm.directory).socket_path == warm.socket_path
+    open_dir = tmp_path / "open"
+    (open_dir / "bin").mkdir(parents=True)
+    (open_dir / "bin" / "flwr-clientapp").write_text("#!/bin/sh\n")
+    open_dir.chmod(0o755)  # another user could put a socket of theirs here
+    for bad in (open_dir, tmp_path / "missing", tmp_path):
+        with pytest.raises(ValueError, match="not the directory of a launcher"):
+            WarmLauncher.running_at(bad)
+    refused = subprocess.run(
+        ["fedrl", "supernode", "--warm-launcher", str(open_dir), "--superlink", "127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "not the directory of a launcher" in refused.stderr, refused
+    assert "Starting Flower SuperNode" not in refused.stdout + refused.stderr
+
+
+def test_a_launch_waits_for_a_launcher_that_is_still_importing(tmp_path):
+    """A message that comes while the launcher preloads is forked from it once it is ready, not
+    started cold beside it."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(3)\n")
+    warm = WarmLauncher.create(entry="warm_entry:report", preload=("slow_import", "warm_entry"))
+    env = launcher_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    proc = warm.start(env)
+    try:
+        wait_for(lambda: (warm.directory / "pid").exists(), 30, "the launcher to start")
+        assert not warm.ready()
+        done = launch(warm, "0", timeout=60)
+        # warm_entry answered, forked from the launcher: Flower's own command knows no "0"
+        assert done.returncode == 0 and "argv=['0']" in done.stdout, done
+    finally:
+        proc.terminate()
+        proc.wait(10)

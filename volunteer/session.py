@@ -6,7 +6,8 @@
 3. probe the hardware (volunteer.probe) and keep the caps where the ClientApp reads them;
 4. run `flower-supernode` (TLS, node auth, the volunteer's limits as node config, its
    threads pinned to `--max-cpu` cores) in its own process group, restart it after a network
-   loss or a crash (the ClientApp resumes from the state it keeps on disk);
+   loss or a crash (the ClientApp resumes from the state it keeps on disk); its ClientApps fork
+   from one warm launcher (fedrl.deploy.warm_clientapp) that the session keeps across restarts;
 5. show a live status line from the ClientApp's status file;
 6. first Ctrl-C / SIGTERM / the `--until` time: ask the node to leave (fedrl.node_files:
    it finishes or abandons its round, hands in its pending delta or not, says "leaving" to
@@ -34,6 +35,7 @@ from rich.console import Console
 from fedrl.deploy.federation import flwr_env, tool
 from fedrl.deploy.local import stop_groups
 from fedrl.deploy.supernode_timing import HEARTBEAT_RANGE, HEARTBEAT_S
+from fedrl.deploy.warm_clientapp import WarmLauncher
 from fedrl.invite import Invite
 from fedrl.live_line import LiveLine
 from fedrl.node_files import (
@@ -58,7 +60,7 @@ from fedrl.volunteer.probe import Limits, probe_json, probe_matches, probe_table
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
 SESSION_RELEASE_S = 150.0  # how long a crashed node's old session may hold its key (Flower: ~60 s)
-SESSION_RETRY_S = 2.0  # between tries while it holds it (each starts a SuperNode: ~1 s of CPU)
+SESSION_RETRY_S = 2.0  # between tries while it holds it (each starts a SuperNode and its SuperExec)
 MEMORY_CHECK_S = 5.0  # how often the session sums the node's memory against --max-memory
 IDLE_LEAVE_S = 30.0  # an idle node with a delta to hand in gets its next message within seconds, or goes
 # Flower's SuperLink answers NODE_UNAVAILABLE for a message whose node has gone offline, even when
@@ -112,7 +114,11 @@ class Session:
             raise ValueError(f"on_exit must be one of {ON_EXIT}, got {self.on_exit!r}")
         if not HEARTBEAT_RANGE[0] <= self.heartbeat_s <= HEARTBEAT_RANGE[1]:  # NaN fails too
             raise ValueError(f"heartbeat_s must be within {HEARTBEAT_RANGE} s, got {self.heartbeat_s}")
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | None = None  # the SuperNode
+        # the warm ClientApp launcher, one a session: a SuperNode restarted while the SuperLink
+        # holds its old session would otherwise pay the imports of torch and peft again each time
+        self.launcher: WarmLauncher | None = None
+        self.launcher_proc: subprocess.Popen | None = None
         self.signals = 0
         self.node_id: int | None = None
         self.leave_at: float | None = None
@@ -233,17 +239,29 @@ class Session:
 
     def start_node(self) -> None:
         key, _ = self.home.node_key()
-        threads = self.limits.threads()
-        argv = [tool("fedrl"), "supernode", "--superlink", self.invite.superlink]  # warm launches
+        argv = [tool("fedrl"), "supernode", "--superlink", self.invite.superlink]
         argv += ["--root-certificates", str(self.home.ca_file), "--auth-supernode-private-key", str(key)]
         argv += ["--port", str(free_port()), "--node-config", self.node_config()]
         argv += ["--max-retries", "5", "--max-wait-time", "60", "--heartbeat-s", f"{self.heartbeat_s:g}"]
+        argv += ["--warm-launcher", str(self.launcher.directory)]
+        self.log_offset = self.log_path().stat().st_size if self.log_path().exists() else 0
+        self.proc = self.start_confined(argv)
+        self.first_try = self.first_try or time.monotonic()
+
+    def start_launcher(self) -> None:
+        self.launcher = WarmLauncher.create()
+        self.launcher_proc = self.start_confined(self.launcher.argv())
+
+    def start_confined(self, argv: list[str]) -> subprocess.Popen:
+        """A process of the node (the SuperNode, the launcher): in a process group of its own,
+        within the volunteer's limits, its output in the node's log."""
+        threads = self.limits.threads()
         env = flwr_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         cpus = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else None
-        self.log_offset = self.log_path().stat().st_size if self.log_path().exists() else 0
         with open(self.log_path(), "ab") as log:
-            self.proc = subprocess.Popen(
+            return subprocess.Popen(
                 argv,
+                stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -251,7 +269,6 @@ class Session:
                 start_new_session=True,
                 preexec_fn=confinement(cpus, self.limits.max_memory_mb),
             )
-        self.first_try = self.first_try or time.monotonic()
 
     def node_log(self) -> str:
         try:
@@ -262,20 +279,22 @@ class Session:
             return ""
 
     def stop_node(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> None:
-        """Signal the SuperNode's process group, then SIGKILL whatever is left after timeout_s."""
-        if self.proc is not None:
-            stop_groups([self.proc], sig, timeout_s)
+        """Signal the SuperNode's and the launcher's process groups, then SIGKILL whatever is left
+        after timeout_s."""
+        stop_groups([p for p in (self.proc, self.launcher_proc) if p is not None], sig, timeout_s)
 
     def memory_mb(self) -> float:
-        """What the node uses: the SuperNode and every process under it (its warm launcher and
-        the ClientApps that forked from it), by proportional set size, so a page the launcher
+        """What the node uses: the SuperNode and every process under it, the warm launcher and
+        the ClientApps that forked from it, by proportional set size, so a page the launcher
         shares with them counts once; reading it costs ~10 ms a process, so the session looks
         every MEMORY_CHECK_S."""
-        try:
-            root = psutil.Process(self.proc.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return 0.0
+        procs = []
+        for proc in (self.proc, self.launcher_proc):
+            try:
+                root = psutil.Process(proc.pid)
+                procs += [root, *root.children(recursive=True)]
+            except (psutil.Error, AttributeError):  # gone, or not started
+                pass
         total = 0
         for p in procs:
             try:
@@ -356,6 +375,7 @@ class Session:
     def serve(self, crashed_before: bool) -> int:
         line = LiveLine(self.console)
         connected_once, restarts, next_memory_check = False, 0, 0.0
+        self.start_launcher()  # first: its imports overlap the SuperNode's connecting
         self.start_node()
         while True:
             if self.leave_at is None and (self.until and time.time() >= self.until):
