@@ -73,11 +73,11 @@ STARTED, SENT, DROPPED = "Start `flwr-clientapp` process", "Sent successfully", 
 
 
 def confinement(cpus: list[int] | None, max_memory_mb: float):
-    """What the SuperNode process runs before it starts (every process it starts inherits it):
-    stay on `cpus`, and let the kernel refuse memory past `max_memory_mb` (RLIMIT_DATA: heap
-    and private mappings, so an allocation beyond it fails inside that process, which answers
-    an error and lives on, instead of the machine swapping). It caps each process, not their
-    sum: the session watches the sum."""
+    """What each of the node's processes (the SuperNode, the warm launcher) runs before it starts
+    (every process they start inherits it): stay on `cpus`, and let the kernel refuse memory past
+    `max_memory_mb` (RLIMIT_DATA: heap and private mappings, so an allocation beyond it fails
+    inside that process, which answers an error and lives on, instead of the machine swapping).
+    It caps each process, not their sum: the session watches the sum."""
     cap = int(max_memory_mb * 2**20)
 
     def confine() -> None:
