@@ -511,7 +511,9 @@ def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path)
     enough cosines to measure their spread, each of node 1's updates is refused (cause
     `direction`) and its record is in the checkpoint. After each refusal it sits out 1, 2,
     4, ... rounds, so it is asked fewer rounds than the honest nodes."""
-    cfg = config(tmp_path, mode="block-sequential", sync=True, versions=6, direction_probe=16)
+    # 8 versions: a rest lasts the refused round's wall seconds, so on a loaded machine the node can
+    # miss a round more than its rest (with 6, 3 runs in 8 beside busy loops saw one refusal only)
+    cfg = config(tmp_path, mode="block-sequential", sync=True, versions=8, direction_probe=16)
     grid = reversing_node(cfg, 1, client_app)
     summary = run_coordinator(grid, cfg)
     mine = [e for e in summary["events"] if e["kind"] in ("accepted", "rejected") and e["node"] == 1]
@@ -524,7 +526,7 @@ def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path)
     others = [e for e in summary["events"] if e["kind"] == "accepted" and e["node"] != 1]
     assert others and all(e["weight"] == pytest.approx(max(e["cosine"], 0), abs=1e-3) for e in others)
     assert mine[-1]["kind"] == "rejected" and "away from the task's answers" in mine[-1]["reason"]
-    assert summary["versions"] >= 6
+    assert summary["versions"] >= 8
     rests = [e for e in summary["events"] if e["kind"] == "resting"]
     assert [e["node"] for e in rests] == [1] * len(refused), rests
     assert max(rests_doubling(rests)) >= 2
