@@ -278,10 +278,14 @@ class Session:
         except OSError:
             return ""
 
+    def node_procs(self) -> list[subprocess.Popen]:
+        """The processes the session started for the node: the SuperNode and the launcher."""
+        return [p for p in (self.proc, self.launcher_proc) if p is not None]
+
     def stop_node(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> None:
         """Signal the SuperNode's and the launcher's process groups, then SIGKILL whatever is left
         after timeout_s."""
-        stop_groups([p for p in (self.proc, self.launcher_proc) if p is not None], sig, timeout_s)
+        stop_groups(self.node_procs(), sig, timeout_s)
 
     def memory_mb(self) -> float:
         """What the node uses: the SuperNode and every process under it, the warm launcher and
@@ -289,11 +293,11 @@ class Session:
         shares with them counts once; reading it costs ~10 ms a process, so the session looks
         every MEMORY_CHECK_S."""
         procs = []
-        for proc in (self.proc, self.launcher_proc):
+        for proc in self.node_procs():
             try:
                 root = psutil.Process(proc.pid)
                 procs += [root, *root.children(recursive=True)]
-            except (psutil.Error, AttributeError):  # gone, or not started
+            except psutil.Error:  # gone
                 pass
         total = 0
         for p in procs:
