@@ -136,7 +136,8 @@ def supernode(supernode_args: list[str]) -> int:
             "--warm-launcher",
             type=Path,
             help="the directory of a warm ClientApp launcher that the caller started and keeps across "
-            "SuperNode restarts (a volunteer's session does); without it the SuperNode starts its own",
+            "SuperNode restarts (a volunteer's session does) or shares among SuperNodes (`fedrl deploy "
+            "local` does); without it the SuperNode starts its own",
         )
         return parser
 

@@ -8,10 +8,13 @@
   run/          the coordinator's output: summary.json, the adapter
 The processes: `fedrl patch-store` (TLS), `flower-superlink` (TLS, SuperNode authentication on,
 a database so registrations survive restarts), N `flower-supernode`s (each with its own EC key
-pair, registered with the SuperLink, started as `fedrl supernode`: warm ClientApp launches),
-and `flwr run` submitting the deployment app (fedrl/deploy/app: fedrl's real ServerApp and
-ClientApp). Each process gets its own process group, so stopping one stops what it started
-(SuperExec, ServerApp, ClientApp processes, a node's warm launcher and what it forked).
+pair, registered with the SuperLink, started as `fedrl supernode`), one warm ClientApp launcher
+that every SuperNode's ClientApps are forked from (they share the machine: torch and peft are
+imported once, not once a node and again at each node's restart), and `flwr run` submitting the
+deployment app (fedrl/deploy/app: fedrl's real ServerApp and ClientApp). Each process gets its
+own process group, so stopping one stops what it started (SuperExec, ServerApp, ClientApp
+processes); a ClientApp forked for a SuperNode that is gone exits by itself (Flower's
+`--parent-pid` watch).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from fedrl.certs import make_ca, make_node_key, make_server_cert
 from fedrl.credentials import load_or_create_secret
 from fedrl.deploy.federation import DeployError, Federation, app_config, run_config, tool
 from fedrl.deploy.supernode_timing import HEARTBEAT_S
+from fedrl.deploy.warm_clientapp import WarmLauncher
 from fedrl.invite import Invite, make_invite
 from fedrl.ports import check_port_free, free_port
 from fedrl.protocol import LearnerSettings
 
 INVITE_LEARNER_KEYS = tuple(LearnerSettings.model_fields)
+LAUNCHER = "clientapp-launcher"  # the process's name here and its log's
 
 
 def learner_settings(run_overrides: dict) -> dict:
@@ -95,6 +100,7 @@ class LocalDeployment:
         self.store_port = free_port(host)
         self.node_ports: dict[int, int] = {}  # SuperNode i's own Runtime API port, picked on first start
         self.procs: dict[str, subprocess.Popen] = {}
+        self.launcher: WarmLauncher | None = None
         self.approver = None
         self.prepare()
 
@@ -191,6 +197,14 @@ class LocalDeployment:
             self.superlink_port,
         )
 
+    def start_launcher(self) -> WarmLauncher:
+        """The deployment's warm ClientApp launcher, started with the first SuperNode (again if it
+        is gone); it exits when this process does."""
+        if self.launcher is None or self.procs[LAUNCHER].poll() is not None:
+            self.launcher = WarmLauncher.create()
+            self.start(LAUNCHER, self.launcher.argv())
+        return self.launcher
+
     def node_dir(self, i: int) -> Path:
         return self.state / self.node_name(i)
 
@@ -205,7 +219,8 @@ class LocalDeployment:
             + ["--root-certificates", str(self.certs / "ca.pem")]
             + ["--auth-supernode-private-key", str(key or self.certs / "nodes" / f"{name}.key")]
             + ["--host", self.host, "--port", str(self.node_ports.setdefault(i, free_port(self.host)))]
-            + ["--node-config", node_config, "--heartbeat-s", f"{self.node_heartbeat_s:g}"],
+            + ["--node-config", node_config, "--heartbeat-s", f"{self.node_heartbeat_s:g}"]
+            + ["--warm-launcher", str(self.start_launcher().directory)],
         )
 
     def heartbeat_intervals(self) -> dict[int, float]:

@@ -8,13 +8,14 @@ resubmitted run resumes from its last checkpoint and the restarted node rejoins 
 import json
 import re
 
+import psutil
 import pytest
 from waiting import wait_for
 
 from fedrl.certs import make_node_key
 from fedrl.credentials import node_principal, token_for
 from fedrl.deploy.federation import failure_of
-from fedrl.deploy.local import LocalDeployment
+from fedrl.deploy.local import LAUNCHER, LocalDeployment
 from fedrl.store_client import BlockingStoreClient, StoreError
 from fedrl.strategies.checkpoint import load_latest
 
@@ -49,6 +50,20 @@ def node_id(deployment, i: int) -> int:
     found = re.findall(r"SuperNode ID: (\d+)", (deployment.logs / f"node-{i + 1}.log").read_text())
     assert found, deployment.tail(f"node-{i + 1}")
     return int(found[-1])
+
+
+def forked_for(deployment, name: str) -> list[psutil.Process]:
+    """The ClientApps the deployment's launcher forked for SuperNode `name`: its children that
+    write to that node's log (the shim hands them its stdout)."""
+    log = str(deployment.logs / f"{name}.log")
+    found = []
+    for child in psutil.Process(deployment.procs[LAUNCHER].pid).children():
+        try:
+            if any(f.path == log for f in child.open_files()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def test_an_unregistered_supernode_is_refused(deployment):
@@ -111,7 +126,10 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     run_id = deployment.submit(**config)
     victim = node_id(deployment, 2)
     wait_for(lambda: clientapps() > started, 120, "node-3 working on its first message")
+    working = forked_for(deployment, "node-3")
+    assert working  # forked by the deployment's launcher, which the kill below does not reach
     deployment.kill("node-3")  # mid-message: its reply never comes
+    wait_for(lambda: not [p for p in working if p.is_running()], 10, "node-3's ClientApp gone with it")
     wait_for(
         lambda: (c := load_latest(out / "checkpoints")) and c[0] >= 2, 300, "checkpoint v2 without node-3"
     )
@@ -139,6 +157,10 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     assert summary["final_eval"] < summary["initial_eval"], (summary["initial_eval"], summary["final_eval"])
     assert (deployment.state / "coordinator" / "coordinator.key").read_bytes() == coordinator_key
     assert len(summary["clients"]) == 3  # every node took part after the restart, node-3 included
+    # and their ClientApps came from the deployment's one launcher: no node started its own, not
+    # node-3 at its restart, nor the unregistered node
+    assert (deployment.logs / "clientapp-launcher.log").read_text().count("launcher ready") == 1
+    assert not [p.name for p in deployment.logs.glob("node-*.log") if "launcher ready" in p.read_text()]
     for client in summary["clients"].values():  # each measured itself and said so
         assert client["step_s"] > 0 and client["link_bytes_per_s"] > 0 and client["memory_mb"] > 50
     # the restarted node synced from nothing to the version it was sent (an anchor, then patches)
