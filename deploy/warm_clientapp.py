@@ -11,8 +11,10 @@ SuperNode finds it through a shim named `flwr-clientapp` first on its PATH
 
 The socket lives in a fresh 0700 directory, and on Linux a peer of another uid is refused too:
 whoever can launch a ClientApp chooses its Runtime API address, and so the code it runs. The
-launcher is started by `fedrl supernode` just before it becomes `flower-supernode`, and exits
-when that process does; a killed launcher's socket is simply not answered.
+launcher is started by `fedrl supernode` just before it becomes `flower-supernode`, or by a
+caller that keeps it and hands it to the SuperNodes it starts (`--warm-launcher`: a volunteer's
+session, a local deployment); it exits when the process that started it does, and a killed
+launcher's socket is simply not answered.
 """
 
 from __future__ import annotations

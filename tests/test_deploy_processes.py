@@ -159,7 +159,7 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     assert len(summary["clients"]) == 3  # every node took part after the restart, node-3 included
     # and their ClientApps came from the deployment's one launcher: no node started its own, not
     # node-3 at its restart, nor the unregistered node
-    assert (deployment.logs / "clientapp-launcher.log").read_text().count("launcher ready") == 1
+    assert (deployment.logs / f"{LAUNCHER}.log").read_text().count("launcher ready") == 1
     assert not [p.name for p in deployment.logs.glob("node-*.log") if "launcher ready" in p.read_text()]
     for client in summary["clients"].values():  # each measured itself and said so
         assert client["step_s"] > 0 and client["link_bytes_per_s"] > 0 and client["memory_mb"] > 50
