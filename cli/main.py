@@ -196,6 +196,9 @@ def cmd_deploy(args) -> int:
         line = LiveLine()
 
         def status_line(status: str) -> None:
+            if note := deployment.keep_launcher():  # ClientApps start cold while it is gone
+                line.done()
+                print(note, flush=True)
             saved = sorted(checkpoints.glob("ckpt-*.json"))
             latest = f"v{int(saved[-1].stem.removeprefix('ckpt-'))}" if saved else "none yet"
             line.show(f"run {run_id}: {status}, last checkpoint {latest}")

@@ -10,7 +10,8 @@ The processes: `fedrl patch-store` (TLS), `flower-superlink` (TLS, SuperNode aut
 a database so registrations survive restarts), N `flower-supernode`s (each with its own EC key
 pair, registered with the SuperLink, started as `fedrl supernode`), one warm ClientApp launcher
 that every SuperNode's ClientApps are forked from (they share the machine: torch and peft are
-imported once, not once a node and again at each node's restart), and `flwr run` submitting the
+imported once, not once a node and again at each node's restart; started again where the nodes
+look for it if it dies: `keep_launcher`), and `flwr run` submitting the
 deployment app (fedrl/deploy/app: fedrl's real ServerApp and ClientApp). Each process gets its
 own process group, so stopping one stops what it started (SuperExec, ServerApp, ClientApp
 processes); a ClientApp forked for a SuperNode that is gone exits by itself (Flower's
@@ -32,7 +33,7 @@ from fedrl.certs import make_ca, make_node_key, make_server_cert
 from fedrl.credentials import load_or_create_secret
 from fedrl.deploy.federation import DeployError, Federation, app_config, run_config, tool
 from fedrl.deploy.supernode_timing import HEARTBEAT_S
-from fedrl.deploy.warm_clientapp import WarmLauncher
+from fedrl.deploy.warm_clientapp import LauncherKeeper
 from fedrl.invite import Invite, make_invite
 from fedrl.ports import check_port_free, free_port
 from fedrl.protocol import LearnerSettings
@@ -100,7 +101,7 @@ class LocalDeployment:
         self.store_port = free_port(host)
         self.node_ports: dict[int, int] = {}  # SuperNode i's own Runtime API port, picked on first start
         self.procs: dict[str, subprocess.Popen] = {}
-        self.launcher: WarmLauncher | None = None
+        self.launcher = LauncherKeeper(lambda argv: self.start(LAUNCHER, argv))
         self.approver = None
         self.prepare()
 
@@ -197,13 +198,11 @@ class LocalDeployment:
             self.superlink_port,
         )
 
-    def start_launcher(self) -> WarmLauncher:
-        """The deployment's warm ClientApp launcher, started with the first SuperNode (again if it
-        is gone); it exits when this process does."""
-        if self.launcher is None or self.procs[LAUNCHER].poll() is not None:
-            self.launcher = WarmLauncher.create()
-            self.start(LAUNCHER, self.launcher.argv())
-        return self.launcher
+    def keep_launcher(self) -> str | None:
+        """The deployment's warm ClientApp launcher: started with the first SuperNode, again
+        (where its SuperNodes look for it) if it died; it exits when this process does. A line
+        saying so if it had died (`LauncherKeeper.ensure`)."""
+        return self.launcher.ensure()
 
     def node_dir(self, i: int) -> Path:
         return self.state / self.node_name(i)
@@ -212,6 +211,7 @@ class LocalDeployment:
         """SuperNode i with its own key (or `key`, e.g. an unregistered one)."""
         name = self.node_name(i)
         self.node_dir(i).mkdir(parents=True, exist_ok=True)
+        self.keep_launcher()
         node_config = f'ca-file="{self.certs / "ca.pem"}" state-dir="{self.node_dir(i)}"'
         self.start(
             name,
@@ -220,7 +220,7 @@ class LocalDeployment:
             + ["--auth-supernode-private-key", str(key or self.certs / "nodes" / f"{name}.key")]
             + ["--host", self.host, "--port", str(self.node_ports.setdefault(i, free_port(self.host)))]
             + ["--node-config", node_config, "--heartbeat-s", f"{self.node_heartbeat_s:g}"]
-            + ["--warm-launcher", str(self.start_launcher().directory)],
+            + ["--warm-launcher", str(self.launcher.warm.directory)],
         )
 
     def heartbeat_intervals(self) -> dict[int, float]:

@@ -13,8 +13,9 @@ The socket lives in a fresh 0700 directory, and on Linux a peer of another uid i
 whoever can launch a ClientApp chooses its Runtime API address, and so the code it runs. The
 launcher is started by `fedrl supernode` just before it becomes `flower-supernode`, or by a
 caller that keeps it and hands it to the SuperNodes it starts (`--warm-launcher`: a volunteer's
-session, a local deployment); it exits when the process that started it does, and a killed
-launcher's socket is simply not answered.
+session, a local deployment), which starts it again where those SuperNodes look if it dies
+(`LauncherKeeper`); it exits when the process that started it does, and a killed launcher's
+socket is simply not answered.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,12 +61,31 @@ class WarmLauncher:
     @classmethod
     def create(cls, entry: str = ENTRY, preload: tuple[str, ...] = PRELOAD) -> WarmLauncher:
         prune_killed()
-        directory = Path(tempfile.mkdtemp(prefix=PREFIX))  # 0700
-        (directory / "bin").mkdir()
-        shim = directory / "bin" / "flwr-clientapp"
+        launcher = cls(Path(tempfile.mkdtemp(prefix=PREFIX)), entry, preload)  # 0700
+        launcher.install_shim()
+        return launcher
+
+    def install_shim(self) -> None:
+        (self.directory / "bin").mkdir(exist_ok=True)
+        shim = self.directory / "bin" / "flwr-clientapp"
         shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "{SHIM}" "$@"\n')
         shim.chmod(0o700)
-        return cls(directory, entry, preload)
+
+    def revive(self) -> None:
+        """Ready this launcher's directory for a new launcher after the last one died: the
+        SuperNodes it was handed find it by this path. A launcher that exited took its directory
+        along; it is made again only if the name is free (mkdir is exclusive), and a directory
+        that is there must be this user's own, 0700 (else ValueError): whoever serves the socket
+        gets each launch's environment. The dead launcher's pid and socket go, so that no
+        launch takes it for alive."""
+        try:
+            self.directory.mkdir(mode=0o700)
+        except FileExistsError:
+            if not owned(self.directory):
+                raise ValueError(f"{self.directory} is no longer this user's launcher directory") from None
+        for stale in (PID, SOCKET):
+            (self.directory / stale).unlink(missing_ok=True)
+        self.install_shim()
 
     @property
     def socket_path(self) -> Path:
@@ -95,13 +117,79 @@ class WarmLauncher:
         """The launcher whose directory is `directory`, started by whoever passes it (a volunteer's
         session keeps one across its SuperNode's restarts); ValueError for anything else."""
         directory = Path(directory)
-        try:
-            owned = directory.owner() == getpass.getuser() and directory.stat().st_mode & 0o077 == 0
-        except (OSError, KeyError):
-            owned = False
-        if not owned or not (directory / "bin" / "flwr-clientapp").is_file():
+        if not owned(directory) or not (directory / "bin" / "flwr-clientapp").is_file():
             raise ValueError(f"--warm-launcher {directory}: not the directory of a launcher of this user's")
         return cls(directory)
+
+
+RESTART_S = 30.0  # the least time between two starts of a kept launcher
+QUICK_DEATHS = 3  # launchers in a row that died within RESTART_S of their start: left down then
+
+
+class LauncherKeeper:
+    """The launcher of an owner that hands it to its SuperNodes (a volunteer's session, a local
+    deployment): started with the first SuperNode, and started again in the same directory if
+    it dies, so that the SuperNodes keep their warm launches. At most once every RESTART_S, and
+    after QUICK_DEATHS launchers in a row that died within RESTART_S of their start (at their
+    imports: a memory cap too small, a broken install) not again: each try costs seconds of CPU
+    on a machine lent to the federation. While it is down, launches start cold. `start` runs a
+    launcher's argv as the owner runs its processes; `make` makes a launcher's directory."""
+
+    def __init__(
+        self,
+        start: Callable[[list[str]], subprocess.Popen],
+        make: Callable[[], WarmLauncher] = WarmLauncher.create,
+    ):
+        self.start, self.make = start, make
+        self.warm: WarmLauncher | None = None
+        self.proc: subprocess.Popen | None = None
+        self.started_at, self.died_at = -RESTART_S, None
+        self.quick_deaths = 0
+
+    def ensure(self) -> str | None:
+        """Start the launcher if there is none yet, or again if it died (see the class); a line
+        saying what happened if it had died, else None."""
+        if self.proc is not None and self.proc.poll() is None:
+            return None
+        if self.quick_deaths >= QUICK_DEATHS:
+            return None  # left down
+        if self.proc is not None and self.died_at is None:
+            self.died_at = time.monotonic()  # as first seen: the owner looks every second or so
+        if time.monotonic() - self.started_at < RESTART_S:
+            return None
+        note = None
+        if self.warm is None:
+            self.warm = self.make()
+        else:
+            quick = self.died_at - self.started_at < RESTART_S
+            self.quick_deaths = self.quick_deaths + 1 if quick else 0
+            note = f"the warm ClientApp launcher exited with {self.proc.returncode}"
+            if self.quick_deaths >= QUICK_DEATHS:
+                return f"{note}, {QUICK_DEATHS} in a row within {RESTART_S:g} s of their start: left down"
+            note += ": started again"
+            try:
+                self.warm.revive()
+            except (
+                ValueError,
+                OSError,
+            ) as err:  # its SuperNodes launch cold from now on; later ones get this
+                self.warm = self.make()
+                note += f" in a new directory, for SuperNodes started from now on ({err})"
+        self.proc = self.start(self.warm.argv())
+        # its pid at once, as it will write it: a launch in the meantime waits for it instead of
+        # starting cold, and no prune takes the directory for a dead launcher's
+        (self.warm.directory / PID).write_text(str(self.proc.pid))
+        self.started_at, self.died_at = time.monotonic(), None
+        return note
+
+
+def owned(directory: Path) -> bool:
+    """A directory of this user's that no one else may enter (itself, not a link to one)."""
+    try:
+        st = directory.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077 == 0
 
 
 def prune_killed() -> None:

@@ -4,6 +4,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedrl.sim.bench.async_rounds import bytes_to_target, ratio_to_reference, time_to_target
 from fedrl.sim.bench.scale import run_case
@@ -261,8 +263,20 @@ def test_bench_methods_puts_each_method_against_dg_on_the_means_and_seed_by_seed
     assert [r["ratio"] for r in ppo["per_seed"]] == [1.5, 4.5, 4.0]
     assert [r["lower_bound"] for r in ppo["per_seed"]] == [False, True, False]
     assert ppo["median_per_seed"] == 4.0
+    # a lower bound among the seeds: no interval over them, no geometric mean
+    assert ppo["interval_90"] is None and ppo["geomean_per_seed"] is None
     assert against_table({"ppo": ppo}) == (
         "ppo / dg samples to target: >= 3.62x on the means; per seed 1.50x, >= 4.50x, 4.00x (median 4.00x)"
+    )
+    # every seed got there: the seeds' spread around the means' ratio, which it brackets
+    ppo = against([*results[:3], run("ppo", 1, 400, 900), *results[4:]])["ppo"]
+    low, high = ppo["interval_90"]
+    assert ppo["on_means"]["ratio"] == pytest.approx(950 / 400)
+    assert 1.5 <= low < 950 / 400 < high <= 4.0
+    assert ppo["geomean_per_seed"] == pytest.approx((1.5 * 2 * 4) ** (1 / 3))
+    assert against_table({"ppo": ppo}) == (
+        f"ppo / dg samples to target: 2.38x on the means (90% over seeds: {low:.2f}-{high:.2f}x); "
+        "per seed 1.50x, 2.00x, 4.00x (median 2.00x, geometric mean 2.29x)"
     )
     # a DG run that never got there leaves that seed, and the means, without a ratio
     results[4] = run("dg", 2, None, 500)
@@ -313,3 +327,29 @@ def test_benchmarks_that_run_one_case_at_a_time_refuse_workers(bench, capsys):
     with pytest.raises(SystemExit) as refused:
         main(["bench", bench, "--workers", "2"])
     assert refused.value.code == 2 and "unrecognized arguments: --workers 2" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pairs=st.lists(st.tuples(st.floats(1.0, 1e7), st.floats(1.0, 1e7)), min_size=2, max_size=12),
+    scale=st.floats(0.01, 100.0),
+)
+def test_the_seed_interval_lies_within_the_per_seed_ratios_and_scales_with_them(pairs, scale):
+    from fedrl.sim.bench.methods import seed_interval
+
+    reference, other = (list(column) for column in zip(*pairs))
+    low, high = seed_interval(reference, other, draws=2000)
+    ratios = [o / r for r, o in pairs]
+    # a ratio of sums lies between the smallest and the largest of its terms' ratios
+    assert min(ratios) * (1 - 1e-9) <= low <= high <= max(ratios) * (1 + 1e-9)
+    scaled = seed_interval(reference, [scale * o for o in other], draws=2000)
+    assert scaled == pytest.approx([scale * low, scale * high], rel=1e-9)
+    assert seed_interval(reference, reference, draws=2000) == pytest.approx([1.0, 1.0])
+
+
+def test_the_seed_interval_refuses_what_it_cannot_bootstrap():
+    from fedrl.sim.bench.methods import seed_interval
+
+    for reference, other in (([1.0], [2.0]), ([1.0, 2.0], [1.0]), ([0.0, 1.0], [1.0, 1.0])):
+        with pytest.raises(ValueError, match="two or more paired, positive"):
+            seed_interval(reference, other)

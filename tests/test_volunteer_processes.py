@@ -11,6 +11,7 @@ Limits: learner threads, the upload cap and the memory cap (the kernel's, on eac
 node) are kept to.
 Then a revoked key, a bad invite and an unreachable coordinator fail clearly."""
 
+import io
 import json
 import os
 import re
@@ -19,14 +20,17 @@ import subprocess
 
 import psutil
 import pytest
+from rich.console import Console
 from waiting import wait_for
 
 from fedrl.clients.disk_state import load_from_disk
 from fedrl.deploy.federation import CONNECTION, tool
 from fedrl.deploy.local import LocalDeployment
+from fedrl.invite import load_invite
 from fedrl.node_files import PROBE, STATUS, read_json
 from fedrl.protocol import SETTINGS_UNKNOWN
 from fedrl.volunteer.home import VolunteerHome
+from fedrl.volunteer.session import Session
 
 pytestmark = pytest.mark.slow
 
@@ -192,11 +196,16 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
 
 
 def test_a_revoked_key_is_refused_clearly(deployment):
-    a = Volunteer(deployment, "a")
-    nodes = deployment.federation.node_status()
-    assert nodes, "volunteers registered"
-    for node in nodes:  # the operator revokes every volunteer
-        deployment.federation.call("supernode", "unregister", str(node), CONNECTION)
-    a.join()
-    assert a.proc.wait(120) == 3, a.log()[-1500:]
-    assert "refused this node's key" in a.log()
+    # a key of its own, enrolled and approved (not the other test's: pytest-xdist may run the
+    # two on different workers, each with a deployment of its own)
+    r = Volunteer(deployment, "r")
+    invite = load_invite(str(deployment.root / "invite.txt"))
+    r.home.remember(invite)
+    before = set(deployment.federation.node_status())
+    Session(invite, r.home, console=Console(file=io.StringIO())).enroll()
+    registered = set(deployment.federation.node_status()) - before
+    assert len(registered) == 1, registered
+    deployment.federation.call("supernode", "unregister", str(*registered), CONNECTION)  # revoked
+    r.join()
+    assert r.proc.wait(120) == 3, r.log()[-1500:]
+    assert "refused this node's key" in r.log()

@@ -12,12 +12,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 from waiting import wait_for
 
-from fedrl.deploy.warm_clientapp import WarmLauncher, prune_killed
+from fedrl.deploy.warm_clientapp import QUICK_DEATHS, RESTART_S, LauncherKeeper, WarmLauncher, prune_killed
 
 TESTS = str(Path(__file__).parent)
 
@@ -175,3 +176,102 @@ def test_a_launch_waits_for_a_launcher_that_is_still_importing(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_kept_launcher_that_dies_is_started_again_where_its_shims_look():
+    procs = []
+
+    def start(argv):
+        procs.append(subprocess.Popen(argv, env=launcher_env(), stdout=subprocess.DEVNULL))
+        return procs[-1]
+
+    keeper = LauncherKeeper(start, make=lambda: WarmLauncher.create(entry="warm_entry:report", preload=()))
+    try:
+        assert keeper.ensure() is None and keeper.ensure() is None  # started once
+        warm = keeper.warm  # what a SuperNode was handed: its shim and socket by this path
+
+        def served(code: str) -> bool:
+            """A launch through the SuperNode's shim, served warm: Flower's own command, which
+            the shim falls back to, knows nothing of this argv."""
+            wait_for(warm.ready, 60, "the launcher")
+            done = launch(warm, code, timeout=60)
+            return done.returncode == int(code) and f"argv=['{code}']" in done.stdout
+
+        assert served("3") and len(procs) == 1
+        # SIGKILLed: its directory stays; started again, but not twice within RESTART_S
+        procs[-1].kill()
+        procs[-1].wait(10)
+        keeper.started_at = time.monotonic() - RESTART_S / 2
+        assert keeper.ensure() is None and len(procs) == 1
+        keeper.started_at -= RESTART_S
+        assert keeper.ensure() == "the warm ClientApp launcher exited with -9: started again"
+        assert keeper.warm is warm and served("4") and len(procs) == 2
+        assert keeper.quick_deaths == 0  # it had lived longer than RESTART_S
+        # exited cleanly, its directory with it: made again, 0700, where the shims look
+        procs[-1].terminate()
+        procs[-1].wait(10)
+        assert not warm.directory.exists()
+        keeper.started_at -= RESTART_S
+        assert keeper.ensure() == "the warm ClientApp launcher exited with 0: started again"
+        assert warm.directory.stat().st_mode & 0o777 == 0o700 and served("5")
+        # the name taken meanwhile by a directory others may enter: never served there again
+        procs[-1].terminate()
+        procs[-1].wait(10)
+        warm.directory.mkdir(mode=0o755)
+        warm.directory.chmod(0o755)
+        keeper.started_at -= RESTART_S
+        note = keeper.ensure()
+        assert note.startswith("the warm ClientApp launcher exited with 0: started again in a new directory")
+        assert keeper.warm.directory != warm.directory and not (warm.directory / "bin").exists()
+        wait_for(keeper.warm.ready, 60, "the new launcher")
+        assert launch(keeper.warm, "6", timeout=60).returncode == 6
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_launcher_directory_is_made_again_only_where_it_is_still_this_users_own(tmp_path):
+    warm = WarmLauncher.create(entry="warm_entry:report", preload=())
+    (warm.directory / "pid").write_text("1")  # a dead launcher's, as a SIGKILL leaves it
+    warm.revive()  # there and 0700: kept, its stale pid gone, the shim in place
+    assert not (warm.directory / "pid").exists() and (warm.directory / "bin" / "flwr-clientapp").is_file()
+    shutil.rmtree(warm.directory)
+    warm.revive()  # gone with its launcher: made again, 0700
+    assert warm.directory.stat().st_mode & 0o777 == 0o700
+    shutil.rmtree(warm.directory)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    warm.directory.symlink_to(mine)  # a link planted at the name, even to a directory of ours
+    with pytest.raises(ValueError, match="no longer this user's launcher directory"):
+        warm.revive()
+    assert list(mine.iterdir()) == []
+    with pytest.raises(ValueError, match="not the directory of a launcher"):
+        WarmLauncher.running_at(warm.directory)
+    warm.directory.unlink()
+
+
+def test_a_kept_launcher_that_keeps_dying_at_its_imports_is_left_down():
+    procs = []
+
+    def start(argv):
+        procs.append(subprocess.Popen(argv, env=launcher_env(), stderr=subprocess.DEVNULL))
+        return procs[-1]
+
+    broken = LauncherKeeper(start, make=lambda: WarmLauncher.create(preload=("no_such_module",)))
+    assert broken.ensure() is None
+    notes = []
+    for _ in range(QUICK_DEATHS):
+        procs[-1].wait(60)  # dead at its imports
+        assert broken.ensure() is None  # too soon: seen dead, not started again
+        broken.started_at -= RESTART_S  # the time since its start, not how long it lived
+        broken.died_at -= RESTART_S
+        notes.append(broken.ensure())
+    started_again = "the warm ClientApp launcher exited with 1: started again"
+    left_down = (
+        f"the warm ClientApp launcher exited with 1, {QUICK_DEATHS} in a row within 30 s of their start"
+    )
+    assert notes == [started_again] * (QUICK_DEATHS - 1) + [left_down + ": left down"]
+    assert len(procs) == QUICK_DEATHS
+    broken.started_at -= RESTART_S
+    assert broken.ensure() is None and len(procs) == QUICK_DEATHS  # never again

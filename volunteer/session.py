@@ -7,7 +7,8 @@
 4. run `flower-supernode` (TLS, node auth, the volunteer's limits as node config, its
    threads pinned to `--max-cpu` cores) in its own process group, restart it after a network
    loss or a crash (the ClientApp resumes from the state it keeps on disk); its ClientApps fork
-   from one warm launcher (fedrl.deploy.warm_clientapp) that the session keeps across restarts;
+   from one warm launcher (fedrl.deploy.warm_clientapp) that the session keeps across restarts
+   (and starts again if it dies);
 5. show a live status line from the ClientApp's status file;
 6. first Ctrl-C / SIGTERM / the `--until` time: ask the node to leave (fedrl.node_files:
    it finishes or abandons its round, hands in its pending delta or not, says "leaving" to
@@ -35,7 +36,7 @@ from rich.console import Console
 from fedrl.deploy.federation import flwr_env, tool
 from fedrl.deploy.local import stop_groups
 from fedrl.deploy.supernode_timing import HEARTBEAT_RANGE, HEARTBEAT_S
-from fedrl.deploy.warm_clientapp import WarmLauncher
+from fedrl.deploy.warm_clientapp import LauncherKeeper
 from fedrl.invite import Invite
 from fedrl.live_line import LiveLine
 from fedrl.node_files import (
@@ -117,8 +118,7 @@ class Session:
         self.proc: subprocess.Popen | None = None  # the SuperNode
         # the warm ClientApp launcher, one a session: a SuperNode restarted while the SuperLink
         # holds its old session would otherwise pay the imports of torch and peft again each time
-        self.launcher: WarmLauncher | None = None
-        self.launcher_proc: subprocess.Popen | None = None
+        self.launcher = LauncherKeeper(self.start_confined)
         self.signals = 0
         self.node_id: int | None = None
         self.leave_at: float | None = None
@@ -243,14 +243,10 @@ class Session:
         argv += ["--root-certificates", str(self.home.ca_file), "--auth-supernode-private-key", str(key)]
         argv += ["--port", str(free_port()), "--node-config", self.node_config()]
         argv += ["--max-retries", "5", "--max-wait-time", "60", "--heartbeat-s", f"{self.heartbeat_s:g}"]
-        argv += ["--warm-launcher", str(self.launcher.directory)]
+        argv += ["--warm-launcher", str(self.launcher.warm.directory)]
         self.log_offset = self.log_path().stat().st_size if self.log_path().exists() else 0
         self.proc = self.start_confined(argv)
         self.first_try = self.first_try or time.monotonic()
-
-    def start_launcher(self) -> None:
-        self.launcher = WarmLauncher.create()
-        self.launcher_proc = self.start_confined(self.launcher.argv())
 
     def start_confined(self, argv: list[str]) -> subprocess.Popen:
         """A process of the node (the SuperNode, the launcher): in a process group of its own,
@@ -280,7 +276,7 @@ class Session:
 
     def node_procs(self) -> list[subprocess.Popen]:
         """The processes the session started for the node: the SuperNode and the launcher."""
-        return [p for p in (self.proc, self.launcher_proc) if p is not None]
+        return [p for p in (self.proc, self.launcher.proc) if p is not None]
 
     def stop_node(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> None:
         """Signal the SuperNode's and the launcher's process groups, then SIGKILL whatever is left
@@ -379,7 +375,7 @@ class Session:
     def serve(self, crashed_before: bool) -> int:
         line = LiveLine(self.console)
         connected_once, restarts, next_memory_check = False, 0, 0.0
-        self.start_launcher()  # first: its imports overlap the SuperNode's connecting
+        self.launcher.ensure()  # first: its imports overlap the SuperNode's connecting
         self.start_node()
         while True:
             if self.leave_at is None and (self.until and time.time() >= self.until):
@@ -394,6 +390,8 @@ class Session:
                     self.request_leave()
                     self.stop_node()
                     return EXIT_FAILED
+            if self.leave_at is None and (note := self.launcher.ensure()):
+                self.say(f"\n{note}")
             log = self.node_log()
             if self.node_id is None and (found := re.search(r"SuperNode ID: (\d+)", log)):
                 self.node_id, connected_once = int(found.group(1)), True
