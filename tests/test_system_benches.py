@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedrl.sim.bench.async_rounds import bytes_to_target, ratio_to_reference, time_to_target
+from fedrl.sim.bench.async_rounds import bytes_to_target, ratio_to_reference, strategy_config, time_to_target
 from fedrl.sim.bench.scale import run_case
 
 
@@ -45,6 +45,23 @@ def test_scale_case_separates_coordinator_cost_from_clients():
     assert 0 < case["coordinator_cpu_ms_per_msg"] < 1000
     assert case["client_cpu_s"] > 0 and case["virtual_s"] > 0 and case["peak_rss_mb"] > 50
     assert case["wall_s_per_virtual_hour"] > 0
+
+
+def test_bench_async_blocks_reach_the_block_strategies_and_leave_the_reference_as_it_runs():
+    from fedrl.strategies.run_config import RunConfig
+
+    base = RunConfig(num_blocks=3)
+    runs = {
+        name: strategy_config(base, name, 0.01, 2)
+        for name in ("fedavg-lora", "parablock-async-topk", "fedbuff-topk")
+    }
+    assert runs["fedavg-lora"].num_blocks == 3 and runs["fedavg-lora"].mode == "fedavg-lora"
+    assert (
+        runs["parablock-async-topk"].num_blocks == 2 and runs["parablock-async-topk"].upload_density == 0.01
+    )
+    assert runs["fedbuff-topk"].num_blocks == 1  # the whole adapter, whatever --blocks says
+    assert strategy_config(base, "parablock-async", 0.01, None).num_blocks == 3
+    assert strategy_config(base, "parablock-async", 0.01, None).upload_density == base.upload_density
 
 
 def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
@@ -100,6 +117,7 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
         step_s=0.0,
         set=None,
         run_to_budget=False,
+        blocks=None,
         workers=1,  # in this process, where simulate is the fake
     )
     assert async_rounds.main(args) == 0
@@ -122,6 +140,10 @@ def test_bench_async_out_never_deletes_a_folder(tmp_path, monkeypatch):
     assert set(targets) == {0.0}  # no run stops at the target; each is read where its curve reaches it
     written = json.loads((keep / "bench-async.json").read_text())
     assert written["run_to_budget"] and all(r["bytes_to_target"] == 1.0 for r in written["strategies"])
+    # --blocks reaches the block strategies only: the reference runs as it does by default
+    assert async_rounds.main(argparse.Namespace(**{**vars(args), "blocks": 2})) == 0
+    assert shapes["fedavg-lora"][0] == 3 and shapes["parablock-async-topk"] == (2, 0.05, False)
+    assert shapes["fedbuff-topk"][0] == 1 and shapes["block-sequential"][0] == 2
 
 
 def test_two_benchmark_invocations_within_one_second_get_folders_of_their_own(tmp_path, monkeypatch):

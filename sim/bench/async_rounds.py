@@ -33,6 +33,15 @@ STRATEGIES = {
 }
 
 
+def strategy_config(base: RunConfig, name: str, upload_density: float, blocks: int | None) -> RunConfig:
+    """`base` run as strategy `name`: its settings, top-k uploads at `upload_density`, and
+    `blocks` for the block strategies (fedbuff-topk keeps its one; fedavg-lora the base's)."""
+    settings = STRATEGIES[name] | ({"upload_density": upload_density} if name.endswith("topk") else {})
+    if blocks and STRATEGIES[name]["mode"] != "fedavg-lora":
+        settings = {"num_blocks": blocks} | settings
+    return base.replace(**settings)
+
+
 def add_arguments(parser) -> None:
     parser.add_argument(
         "--target", type=float, default=0.3, help="held-out greedy error to reach (start: 0.69)"
@@ -54,6 +63,13 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES), help="which to run"
+    )
+    parser.add_argument(
+        "--blocks",
+        type=integer(1),
+        help="blocks of the block strategies (not fedbuff-topk's one); fedavg-lora keeps the run "
+        "config's, which its defenses split its updates into: `--set num_blocks=B` changes the "
+        "reference too",
     )
     parser.add_argument(
         "--wire-dtype",
@@ -216,10 +232,8 @@ def main(args) -> int:
     names = ["fedavg-lora"] + [n for n in args.strategies if n != "fedavg-lora"]  # the reference runs first
 
     def case_for(name: str, step_s: float | None) -> dict:
-        settings = STRATEGIES[name] | (
-            {"upload_density": args.upload_density} if name.endswith("topk") else {}
-        )
-        cfg = base.replace(**settings, out_dir=str(runs / name), resume=False)
+        cfg = strategy_config(base, name, args.upload_density, args.blocks)
+        cfg = cfg.replace(out_dir=str(runs / name), resume=False)
         return {
             "name": name,
             "cfg": cfg,
@@ -255,6 +269,7 @@ def main(args) -> int:
             "step_s": step_s,
             "engine": args.engine,
             "upload_density": args.upload_density,
+            "blocks": args.blocks,
             "wire_dtype": args.wire_dtype,
             "overrides": overrides,
             "wall_s": time.perf_counter() - start,
