@@ -14,8 +14,8 @@ imported once, not once a node and again at each node's restart; started again w
 look for it if it dies: `keep_launcher`), and `flwr run` submitting the
 deployment app (fedrl/deploy/app: fedrl's real ServerApp and ClientApp). Each process gets its
 own process group, so stopping one stops what it started (SuperExec, ServerApp, ClientApp
-processes); a ClientApp forked for a SuperNode that is gone exits by itself (Flower's
-`--parent-pid` watch).
+processes); a ClientApp forked for a SuperNode that is killed goes at once with the shim that
+the SuperNode started (`warm_clientapp.go_with_the_shim`).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ A SuperNode (subprocess isolation) starts a fresh `flwr-clientapp` process for e
 and importing fedrl's client with peft and transformers takes 8-11 s of CPU on a 2-core
 machine, where a round of the tiny model takes about one. A warm launcher pays the imports
 once and forks a child per launch; the child runs Flower's `flwr_clientapp()` unchanged, with
-the launching process's argv, environment, working directory and stdin/stdout/stderr. The
-SuperNode finds it through a shim named `flwr-clientapp` first on its PATH
-(deploy/clientapp_shim.py), which falls back to Flower's command when no launcher answers.
+the launching process's argv, environment, working directory and stdin/stdout/stderr, and
+lives no longer than the shim that asked for it. The SuperNode finds it through a shim named
+`flwr-clientapp` first on its PATH (deploy/clientapp_shim.py), which falls back to Flower's
+command when no launcher answers.
 
 The socket lives in a fresh 0700 directory, and on Linux a peer of another uid is refused too:
 whoever can launch a ClientApp chooses its Runtime API address, and so the code it runs. The
@@ -33,6 +34,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -270,6 +272,7 @@ def run_child(conn: socket.socket, fds: list[int], request: dict, entry) -> None
         os.environ.update(request["env"])
         sys.argv = ["flwr-clientapp", *request["argv"]]
         conn.sendall(f"{os.getpid()}\n".encode())
+        threading.Thread(target=go_with_the_shim, args=(conn,), daemon=True).start()
         try:
             entry()
             code = 0
@@ -285,6 +288,20 @@ def run_child(conn: socket.socket, fds: list[int], request: dict, entry) -> None
         except BaseException:
             pass
         os._exit(code)
+
+
+def go_with_the_shim(conn: socket.socket) -> None:
+    """In the forked child: SIGKILL itself once the shim's end of the connection closes. The shim
+    holds it until it has the exit code, and it is what the SuperNode started, in the SuperNode's
+    process group: a node killed with its group takes its ClientApps along at once, as cold
+    ones go, rather than after Flower's parent watch (whose SIGINT waits out a connection
+    retry's backoff: 14 s once here)."""
+    try:
+        while conn.recv(1):  # the shim sends nothing after its request
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def serve(socket_path: Path, entry_ref: str, preload: list[str]) -> None:

@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from waiting import wait_for
 
@@ -83,6 +84,23 @@ def test_a_signal_to_the_shim_reaches_the_child(launcher):
     assert "argv=['wait']" in shim.stdout.readline()
     shim.send_signal(signal.SIGTERM)
     assert shim.wait(30) == 7  # the child's own SIGTERM handler chose the code
+
+
+def test_a_child_goes_at_once_with_its_shim_killed_as_a_supernodes_group_is(launcher):
+    warm, proc = launcher
+    shim = subprocess.Popen(
+        ["flwr-clientapp", "wait"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=warm.env(dict(os.environ)),
+    )
+    assert "argv=['wait']" in shim.stdout.readline()
+    child = int(shim.stdout.readline().split("pid=")[1])
+    shim.kill()  # SIGKILL: nothing is forwarded
+    shim.wait(10)
+    wait_for(lambda: not psutil.pid_exists(child), 5, "the child gone with its shim")
+    assert proc.poll() is None and launch(warm, "0", timeout=30).returncode == 0  # serving on
 
 
 def test_a_malformed_request_is_refused_and_the_launcher_serves_on(launcher):
