@@ -72,8 +72,8 @@ def test_a_launch_runs_forked_with_the_launchers_argv_env_cwd_and_streams(launch
     assert launch(warm, "0", timeout=30).returncode == 0
 
 
-def test_a_signal_to_the_shim_reaches_the_child(launcher):
-    warm, _ = launcher
+def waiting_launch(warm: WarmLauncher) -> tuple[subprocess.Popen, int]:
+    """A shim whose child waits (60 s) once it has reported; the child's pid."""
     shim = subprocess.Popen(
         ["flwr-clientapp", "wait"],
         stdin=subprocess.DEVNULL,
@@ -82,21 +82,18 @@ def test_a_signal_to_the_shim_reaches_the_child(launcher):
         env=warm.env(dict(os.environ)),
     )
     assert "argv=['wait']" in shim.stdout.readline()
+    return shim, int(shim.stdout.readline().split("pid=")[1])
+
+
+def test_a_signal_to_the_shim_reaches_the_child(launcher):
+    shim, _ = waiting_launch(launcher[0])
     shim.send_signal(signal.SIGTERM)
     assert shim.wait(30) == 7  # the child's own SIGTERM handler chose the code
 
 
 def test_a_child_goes_at_once_with_its_shim_killed_as_a_supernodes_group_is(launcher):
     warm, proc = launcher
-    shim = subprocess.Popen(
-        ["flwr-clientapp", "wait"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=warm.env(dict(os.environ)),
-    )
-    assert "argv=['wait']" in shim.stdout.readline()
-    child = int(shim.stdout.readline().split("pid=")[1])
+    shim, child = waiting_launch(warm)
     shim.kill()  # SIGKILL: nothing is forwarded
     shim.wait(10)
     wait_for(lambda: not psutil.pid_exists(child), 5, "the child gone with its shim")
