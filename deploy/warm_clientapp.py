@@ -22,7 +22,6 @@ socket is simply not answered.
 from __future__ import annotations
 
 import argparse
-import getpass
 import importlib
 import json
 import os
@@ -171,10 +170,8 @@ class LauncherKeeper:
             note += ": started again"
             try:
                 self.warm.revive()
-            except (
-                ValueError,
-                OSError,
-            ) as err:  # its SuperNodes launch cold from now on; later ones get this
+            except (ValueError, OSError) as err:
+                # the SuperNodes handed this one launch cold from now on; later ones get the new
                 self.warm = self.make()
                 note += f" in a new directory, for SuperNodes started from now on ({err})"
         self.proc = self.start(self.warm.argv())
@@ -198,11 +195,9 @@ def prune_killed() -> None:
     """Remove the directories that killed launchers left (a launcher that exits removes its own)."""
     for directory in Path(tempfile.gettempdir()).glob(PREFIX + "*"):
         try:
-            if directory.owner() == getpass.getuser() and not psutil.pid_exists(
-                int((directory / PID).read_text())
-            ):
+            if owned(directory) and not psutil.pid_exists(int((directory / PID).read_text())):
                 shutil.rmtree(directory, ignore_errors=True)
-        except (OSError, ValueError, KeyError):  # not started yet, or not ours
+        except (OSError, ValueError):  # not started yet
             pass
 
 

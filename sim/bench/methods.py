@@ -299,19 +299,14 @@ def against_dg(summary: dict, results: list[dict]) -> dict:
     for method, s in summary.items():
         if method == "dg":
             continue
+        runs = [r for r in results if r["method"] == method]
         per_seed = [
             ratio_to_reference(r["samples_to_target"], r["samples"], dg_runs[r["seed"]]["samples_to_target"])
-            for r in results
-            if r["method"] == method
+            for r in runs
         ]
         known = [r["ratio"] for r in per_seed if r["ratio"] is not None]
         # every seed's ratio exact: the seeds' own spread, as the uncertainty of the means' ratio
         exact = len(per_seed) > 1 and all(r["ratio"] is not None and not r["lower_bound"] for r in per_seed)
-        paired = [
-            (dg_runs[r["seed"]]["samples_to_target"], r["samples_to_target"])
-            for r in results
-            if r["method"] == method
-        ]
         out[method] = {
             "on_means": ratio_to_reference(
                 s["samples_to_target"] if s["reached"] == s["runs"] else None,
@@ -321,7 +316,12 @@ def against_dg(summary: dict, results: list[dict]) -> dict:
             "per_seed": per_seed,
             "median_per_seed": float(np.median(known)) if known else None,
             "geomean_per_seed": float(np.exp(np.mean(np.log(known)))) if exact else None,
-            "interval_90": seed_interval(*zip(*paired)) if exact else None,
+            "interval_90": seed_interval(
+                [dg_runs[r["seed"]]["samples_to_target"] for r in runs],
+                [r["samples_to_target"] for r in runs],
+            )
+            if exact
+            else None,
         }
     return out
 
