@@ -193,57 +193,64 @@ def test_a_launch_waits_for_a_launcher_that_is_still_importing(tmp_path):
         proc.wait(10)
 
 
-def test_a_kept_launcher_that_dies_is_started_again_where_its_shims_look():
+@pytest.fixture
+def started():
+    """How a keeper here starts a launcher, and every launcher it started (killed at the end)."""
     procs = []
 
     def start(argv):
-        procs.append(subprocess.Popen(argv, env=launcher_env(), stdout=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(argv, env=launcher_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
         return procs[-1]
 
+    yield start, procs
+    for proc in procs:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_kept_launcher_that_dies_is_started_again_where_its_shims_look(started):
+    start, procs = started
     keeper = LauncherKeeper(start, make=lambda: WarmLauncher.create(entry="warm_entry:report", preload=()))
-    try:
-        assert keeper.ensure() is None and keeper.ensure() is None  # started once
-        warm = keeper.warm  # what a SuperNode was handed: its shim and socket by this path
+    assert keeper.ensure() is None and keeper.ensure() is None  # started once
+    warm = keeper.warm  # what a SuperNode was handed: its shim and socket by this path
 
-        def served(code: str) -> bool:
-            """A launch through the SuperNode's shim, served warm: Flower's own command, which
-            the shim falls back to, knows nothing of this argv."""
-            wait_for(warm.ready, 60, "the launcher")
-            done = launch(warm, code, timeout=60)
-            return done.returncode == int(code) and f"argv=['{code}']" in done.stdout
+    def served(code: str) -> bool:
+        """A launch through the SuperNode's shim, served warm: Flower's own command, which
+        the shim falls back to, knows nothing of this argv."""
+        wait_for(warm.ready, 60, "the launcher")
+        done = launch(warm, code, timeout=60)
+        return done.returncode == int(code) and f"argv=['{code}']" in done.stdout
 
-        assert served("3") and len(procs) == 1
-        # SIGKILLed: its directory stays; started again, but not twice within RESTART_S
-        procs[-1].kill()
-        procs[-1].wait(10)
-        keeper.started_at = time.monotonic() - RESTART_S / 2
-        assert keeper.ensure() is None and len(procs) == 1
-        keeper.started_at -= RESTART_S
-        assert keeper.ensure() == "the warm ClientApp launcher exited with -9: started again"
-        assert keeper.warm is warm and served("4") and len(procs) == 2
-        assert keeper.quick_deaths == 0  # it had lived longer than RESTART_S
-        # exited cleanly, its directory with it: made again, 0700, where the shims look
-        procs[-1].terminate()
-        procs[-1].wait(10)
-        assert not warm.directory.exists()
-        keeper.started_at -= RESTART_S
-        assert keeper.ensure() == "the warm ClientApp launcher exited with 0: started again"
-        assert warm.directory.stat().st_mode & 0o777 == 0o700 and served("5")
-        # the name taken meanwhile by a directory others may enter: never served there again
-        procs[-1].terminate()
-        procs[-1].wait(10)
-        warm.directory.mkdir(mode=0o755)
-        warm.directory.chmod(0o755)
-        keeper.started_at -= RESTART_S
-        note = keeper.ensure()
-        assert note.startswith("the warm ClientApp launcher exited with 0: started again in a new directory")
-        assert keeper.warm.directory != warm.directory and not (warm.directory / "bin").exists()
-        wait_for(keeper.warm.ready, 60, "the new launcher")
-        assert launch(keeper.warm, "6", timeout=60).returncode == 6
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(10)
+    assert served("3") and len(procs) == 1
+    # SIGKILLed: its directory stays; started again, but not twice within RESTART_S
+    procs[-1].kill()
+    procs[-1].wait(10)
+    keeper.started_at = time.monotonic() - RESTART_S / 2
+    assert keeper.ensure() is None and len(procs) == 1
+    keeper.started_at -= RESTART_S
+    assert keeper.ensure() == "the warm ClientApp launcher exited with -9: started again"
+    assert keeper.warm is warm and served("4") and len(procs) == 2
+    assert keeper.quick_deaths == 0  # it had lived longer than RESTART_S
+    # exited cleanly, its directory with it: made again, 0700, where the shims look
+    procs[-1].terminate()
+    procs[-1].wait(10)
+    assert not warm.directory.exists()
+    keeper.started_at -= RESTART_S
+    assert keeper.ensure() == "the warm ClientApp launcher exited with 0: started again"
+    assert warm.directory.stat().st_mode & 0o777 == 0o700 and served("5")
+    # the name taken meanwhile by a directory others may enter: never served there again
+    procs[-1].terminate()
+    procs[-1].wait(10)
+    warm.directory.mkdir(mode=0o755)
+    warm.directory.chmod(0o755)
+    keeper.started_at -= RESTART_S
+    note = keeper.ensure()
+    assert note.startswith("the warm ClientApp launcher exited with 0: started again in a new directory")
+    assert keeper.warm.directory != warm.directory and not (warm.directory / "bin").exists()
+    wait_for(keeper.warm.ready, 60, "the new launcher")
+    assert launch(keeper.warm, "6", timeout=60).returncode == 6
 
 
 def test_a_launcher_directory_is_made_again_only_where_it_is_still_this_users_own(tmp_path):
@@ -266,13 +273,8 @@ def test_a_launcher_directory_is_made_again_only_where_it_is_still_this_users_ow
     warm.directory.unlink()
 
 
-def test_a_kept_launcher_that_keeps_dying_at_its_imports_is_left_down():
-    procs = []
-
-    def start(argv):
-        procs.append(subprocess.Popen(argv, env=launcher_env(), stderr=subprocess.DEVNULL))
-        return procs[-1]
-
+def test_a_kept_launcher_that_keeps_dying_at_its_imports_is_left_down(started):
+    start, procs = started
     broken = LauncherKeeper(start, make=lambda: WarmLauncher.create(preload=("no_such_module",)))
     assert broken.ensure() is None
     notes = []
