@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fedrl.kv_cache import CACHE, cache_of, select_rows
 from fedrl.models import LoadedModel
 from fedrl.tasks.base import Problem, Task
 
@@ -75,15 +76,6 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, mask
 
 
-def select_rows(past, index: torch.Tensor):
-    """Row i of the result is row index[i] of a KV cache: a tuple of (k, v) per layer, or a
-    transformers Cache (changed in place)."""
-    if hasattr(past, "batch_select_indices"):
-        past.batch_select_indices(index)
-        return past
-    return tuple(tuple(t.index_select(0, index) for t in layer) for layer in past)
-
-
 @torch.inference_mode()
 def sample_tokens(
     model,
@@ -114,7 +106,7 @@ def sample_tokens(
         position_ids=position_ids(prompt_mask),
         use_cache=True,
     )
-    past, logits, mask = out.past_key_values, out.logits[:, -1, :], prompt_mask
+    past, logits, mask = cache_of(out), out.logits[:, -1, :], prompt_mask
     if prompt_of_row is not None:
         past, logits, mask = select_rows(past, prompt_of_row), logits[prompt_of_row], mask[prompt_of_row]
     batch = mask.shape[0]
@@ -143,10 +135,10 @@ def sample_tokens(
             input_ids=tok[:, None],
             attention_mask=mask,
             position_ids=pos,
-            past_key_values=past,
             use_cache=True,
+            **{CACHE: past},
         )
-        past, logits = out.past_key_values, out.logits[:, -1, :]
+        past, logits = cache_of(out), out.logits[:, -1, :]
     return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(alive_cols, 1).long()
 
 
@@ -272,8 +264,8 @@ def _answer_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         input_ids=input_ids[:, width:],
         attention_mask=attention_mask,
         position_ids=positions[:, width:],
-        past_key_values=select_rows(head.past_key_values, row_of),
         use_cache=True,
+        **{CACHE: select_rows(cache_of(head), row_of)},
     )
     return torch.cat([head.logits[row_of], tail.logits], 1)
 

@@ -17,6 +17,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from fedrl.kv_cache import CACHE
+
 MODEL_TYPE = "fedrl-tiny-gpt"
 
 
@@ -101,15 +103,16 @@ class TinyGPT(PreTrainedModel, GenerationMixin):  # GenerationMixin: peft's caus
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values: tuple | None = None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
-        **_,
+        **kwargs,
     ) -> CausalLMOutputWithPast:
         """`attention_mask` covers the cached and the new tokens (B, past + T), as in transformers;
-        `logits_to_keep` > 0 projects only the last that many positions to the vocabulary."""
+        `logits_to_keep` > 0 projects only the last that many positions to the vocabulary. The
+        KV cache comes and goes under the installed transformers' name for it (`kv_cache.CACHE`)."""
+        cached = kwargs.get(CACHE)
         batch, width = input_ids.shape
-        past = 0 if past_key_values is None else past_key_values[0][0].shape[2]
+        past = 0 if cached is None else cached[0][0].shape[2]
         if attention_mask is None:
             attention_mask = torch.ones(batch, past + width, dtype=torch.long)
         if position_ids is None:
@@ -129,11 +132,11 @@ class TinyGPT(PreTrainedModel, GenerationMixin):  # GenerationMixin: peft's caus
         x = (self.token_emb(input_ids) + self.pos_emb(position_ids)) * keys[:, -width:, None]
         cache = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, mask, None if past_key_values is None else past_key_values[i])
+            x, kv = layer(x, mask, None if cached is None else cached[i])
             cache.append(kv)
         return CausalLMOutputWithPast(
             logits=self.output(x[:, -logits_to_keep:] if logits_to_keep else x),
-            past_key_values=tuple(cache) if use_cache else None,
+            **{CACHE: tuple(cache) if use_cache else None},
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -24,33 +25,7 @@ def simulate(
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     from fedrl.sim.apps import client_app
 
-    budgets = f"{cfg.versions} versions" + (f" or {cfg.max_time_s:g} {sim.clock} s" if cfg.max_time_s else "")
-    budgets += f" or {cfg.max_wall_s:g} wall s" if cfg.max_wall_s else ""
-    bar = tqdm(
-        total=100,
-        desc=f"fedrl sim {cfg.mode}{' sync' if cfg.sync else ' async'} ({budgets})",
-        unit="%",
-        disable=quiet,
-        bar_format="{l_bar}{bar}| {elapsed} {postfix}",
-    )
-
-    def progress(coord) -> None:
-        last = coord.evals[-1]["error"] if coord.evals else float("nan")
-        done = coord.version / cfg.versions
-        if cfg.max_time_s:
-            done = max(done, coord.run_time() / cfg.max_time_s)
-        if cfg.max_wall_s:
-            done = max(done, (time.monotonic() - coord.wall_start) / cfg.max_wall_s)
-        bar.n = min(100, int(100 * done))
-        bar.set_postfix(
-            version=coord.version,
-            t=f"{coord.run_time():.1f}s",
-            replies=coord.counts["replies"],
-            rejected=coord.counts["rejected"],
-            eval_error=f"{last:.3f}",
-        )
-        bar.refresh()
-
+    bar, progress = status_bar(cfg, sim, quiet)
     if engine == "local":
         from fedrl.sim.local_grid import LocalGrid
         from fedrl.sim.simulated_server import run_simulated
@@ -79,6 +54,41 @@ def simulate(
     if not results:
         raise RuntimeError("the simulation ended without a summary (see the log above)")
     return results[0]
+
+
+def status_bar(cfg: RunConfig, sim: SimConfig, quiet: bool = False, file=None) -> tuple[tqdm, Callable]:
+    """The run's live status line and the callback that redraws it from the coordinator, once
+    per call: in a log file each state reads once."""
+    budgets = f"{cfg.versions} versions" + (f" or {cfg.max_time_s:g} {sim.clock} s" if cfg.max_time_s else "")
+    budgets += f" or {cfg.max_wall_s:g} wall s" if cfg.max_wall_s else ""
+    bar = tqdm(
+        total=100,
+        desc=f"fedrl sim {cfg.mode}{' sync' if cfg.sync else ' async'} ({budgets})",
+        unit="%",
+        disable=quiet,
+        file=file,
+        bar_format="{l_bar}{bar}| {elapsed} {postfix}",
+    )
+
+    def progress(coord) -> None:
+        last = coord.evals[-1]["error"] if coord.evals else float("nan")
+        done = coord.version / cfg.versions
+        if cfg.max_time_s:
+            done = max(done, coord.run_time() / cfg.max_time_s)
+        if cfg.max_wall_s:
+            done = max(done, (time.monotonic() - coord.wall_start) / cfg.max_wall_s)
+        bar.n = min(100, int(100 * done))
+        bar.set_postfix(
+            version=coord.version,
+            t=f"{coord.run_time():.1f}s",
+            replies=coord.counts["replies"],
+            rejected=coord.counts["rejected"],
+            eval_error=f"{last:.3f}",
+            refresh=False,  # the one refresh below draws it: two would print each state twice
+        )
+        bar.refresh()
+
+    return bar, progress
 
 
 def ray_backend(cpus_per_client: float) -> dict:

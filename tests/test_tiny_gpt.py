@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from fedrl.blocks import BlockPartition
+from fedrl.kv_cache import CACHE, cache_of
 from fedrl.lora import LoraSettings, add_lora
 from fedrl.models import load_model, tiny_gpt_model
 from fedrl.rollout import left_pad, position_ids
@@ -24,8 +25,8 @@ def test_cached_decoding_matches_one_full_forward_on_left_padded_prompts():
                 new[:, col : col + 1],
                 attention_mask=m,
                 position_ids=position_ids(m)[:, -1:],
-                past_key_values=out.past_key_values,
                 use_cache=True,
+                **{CACHE: cache_of(out)},
             )
             steps.append(out.logits[:, -1])
     real = full_mask.bool()
