@@ -29,7 +29,7 @@ def test_cached_sampling_and_shared_prompt_scoring_pass_no_deprecated_cache_name
     """transformers 5 deprecates `past_key_values` (removed in 5.40): a model that took the old
     name would break, or silently run without its cache, on the next release. Sampling with the
     KV cache and scoring a shared prompt once must go through the installed version's name,
-    through a peft adapter too."""
+    through a peft adapter too, and give what one full pass gives."""
     lm, task = TINY_MODELS[spec](0, alphabet="01"), ReversalTask(length=5)
     problems = task.sample(3, np.random.default_rng(0))
     if lora:
@@ -42,11 +42,18 @@ def test_cached_sampling_and_shared_prompt_scoring_pass_no_deprecated_cache_name
             warnings.simplefilter("error", FutureWarning)
             warnings.simplefilter("error", DeprecationWarning)
             batch = rollout(lm, task, problems, 4, generator=torch.Generator())
-            token_logprobs(lm.model, batch.input_ids, batch.attention_mask, batch.allowed, batch.answer_start)
+            scored = token_logprobs(*batch_args(lm, batch), batch.answer_start)
     finally:
         hf_logging.get_logger("transformers").removeHandler(recorded)
     assert not [m for m in recorded.messages if "deprecated" in m], recorded.messages
-    assert all(len(answer) == 5 for answer in batch.answers)
+    # a cache dropped on the way would change what was sampled and scored: both match a full pass
+    full, answer = token_logprobs(*batch_args(lm, batch)), batch.answer_mask.bool()
+    assert torch.allclose(batch.behaviour_logp[answer], full[answer], atol=1e-5)
+    assert torch.allclose(scored[answer], full[answer], atol=1e-5)
+
+
+def batch_args(lm, batch):
+    return lm.model, batch.input_ids, batch.attention_mask, batch.allowed
 
 
 def test_the_cache_is_named_as_the_installed_transformers_names_it():
