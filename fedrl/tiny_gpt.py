@@ -109,8 +109,11 @@ class TinyGPT(PreTrainedModel, GenerationMixin):  # GenerationMixin: peft's caus
     ) -> CausalLMOutputWithPast:
         """`attention_mask` covers the cached and the new tokens (B, past + T), as in transformers;
         `logits_to_keep` > 0 projects only the last that many positions to the vocabulary. The
-        KV cache comes and goes under the installed transformers' name for it (`kv_cache.CACHE`)."""
-        cached = kwargs.get(CACHE)
+        KV cache goes out under the installed transformers' name for it (`kv_cache.CACHE`) and is
+        taken under either name, so no caller's cache is silently dropped."""
+        cached = kwargs.get("cache")
+        if cached is None:
+            cached = kwargs.get("past_key_values")
         batch, width = input_ids.shape
         past = 0 if cached is None else cached[0][0].shape[2]
         if attention_mask is None:

@@ -3,14 +3,17 @@ import pytest
 import torch
 
 from fedrl.blocks import BlockPartition
-from fedrl.kv_cache import CACHE, cache_of
+from fedrl.kv_cache import cache_of
 from fedrl.lora import LoraSettings, add_lora
 from fedrl.models import load_model, tiny_gpt_model
 from fedrl.rollout import left_pad, position_ids
 from fedrl.tiny_gpt import TinyGPTConfig
 
 
-def test_cached_decoding_matches_one_full_forward_on_left_padded_prompts():
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_cached_decoding_matches_one_full_forward_on_left_padded_prompts(name):
+    """Under either name transformers has given the KV cache: one a caller used and the model
+    dropped would decode without it."""
     lm = tiny_gpt_model(0, alphabet="01")
     ids, mask = left_pad([lm.tokenizer.encode_prompt(p) for p in ["0110", "1", "001"]], lm.pad_token_id)
     new = torch.tensor([[4, 5], [5, 5], [4, 4]])
@@ -26,7 +29,7 @@ def test_cached_decoding_matches_one_full_forward_on_left_padded_prompts():
                 attention_mask=m,
                 position_ids=position_ids(m)[:, -1:],
                 use_cache=True,
-                **{CACHE: cache_of(out)},
+                **{name: cache_of(out)},
             )
             steps.append(out.logits[:, -1])
     real = full_mask.bool()
