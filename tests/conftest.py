@@ -9,8 +9,8 @@ def pytest_configure(config):
     # pytest-xdist runs the suite on every core and one worker more (pyproject's addopts, and
     # pytest_xdist_auto_num_workers below); a worker then takes one thread: the tiny models' ops
     # gain nothing from a second (a FakeGrid federation: 4.5 s on two threads, 4.8 s on one), and
-    # workers of two threads each would fight over the cores. The
-    # processes that tests start (SuperNodes, CLIs) inherit the setting.
+    # workers of two threads each would fight over the cores. The processes that tests start
+    # (SuperNodes, CLIs) inherit the setting.
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
