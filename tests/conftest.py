@@ -23,7 +23,8 @@ def pytest_xdist_auto_num_workers(config):
     suite, with one more 13 s of 343 s. `PYTEST_XDIST_AUTO_NUM_WORKERS` still decides where set."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
-    return len(os.sched_getaffinity(0)) + 1
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return len(usable) + 1  # (macOS has no sched_getaffinity)
 
 
 def pytest_collection_modifyitems(config, items):
