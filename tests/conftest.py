@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
     quick = []
     for item in items:
         if item.get_closest_marker("slow"):
-            slow_files.setdefault(item.path.name, []).append(item)
+            slow_files.setdefault(str(item.path), []).append(item)
         else:
             quick.append(item)
     lanes = [[] for _ in range(workers)]
