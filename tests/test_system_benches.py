@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedrl.sim.bench.async_rounds import bytes_to_target, ratio_to_reference, strategy_config, time_to_target
+from fedrl.sim.bench.async_rounds import (
+    bytes_to_target,
+    ratio_to_reference,
+    strategy_config,
+    time_to_stay,
+    time_to_target,
+)
 from fedrl.sim.bench.scale import run_case
 
 
@@ -20,6 +26,29 @@ def test_time_to_target_is_the_first_eval_at_or_below_it():
     ]
     assert time_to_target(evals, 0.3) == 9.0
     assert time_to_target(evals, 0.1) is None
+
+
+def test_time_to_stay_is_where_the_error_reached_the_target_for_good():
+    def evals(*errors):
+        return [{"t": float(i), "error": e} for i, e in enumerate(errors)]
+
+    bounced = evals(0.7, 0.04, 0.06, 0.05, 0.0)  # crosses at 1, leaves at 2, back for good at 3
+    assert time_to_target(bounced, 0.05) == 1.0 and time_to_stay(bounced, 0.05) == 3.0
+    assert time_to_stay(evals(0.7, 0.04, 0.06), 0.05) is None  # left it at the last eval
+    assert time_to_stay(evals(0.04, 0.03), 0.05) == 0.0
+    assert time_to_stay([], 0.05) is None
+
+
+@given(st.lists(st.floats(0, 1), max_size=20), st.floats(0, 1))
+def test_time_to_stay_is_never_before_the_first_crossing_and_holds_after(errors, target):
+    evals = [{"t": float(i), "error": e} for i, e in enumerate(errors)]
+    first, stays = time_to_target(evals, target), time_to_stay(evals, target)
+    if stays is None:
+        assert not errors or errors[-1] > target
+    else:
+        assert first is not None and first <= stays
+        assert all(e <= target for e in errors[int(stays) :])
+        assert int(stays) == 0 or errors[int(stays) - 1] > target
 
 
 def test_bytes_to_target_are_those_moved_by_the_first_eval_at_or_below_it():
@@ -329,6 +358,7 @@ def test_bench_methods_runs_the_real_federation_per_method(tmp_path):
     assert [(r["method"], r["seed"]) for r in data["runs"]] == [("dg", 1), ("ppo", 1)]
     for run in data["runs"]:
         assert run["samples"] > 0 and run["curve"][0][1] == 0 and 0 <= run["best_eval"] <= 1
+        assert run["time_to_stay_s"] is None or run["time_to_target_s"] <= run["time_to_stay_s"]
         summary = json.loads(
             (
                 tmp_path

@@ -87,12 +87,25 @@ def add_arguments(parser) -> None:
         action="store_true",
         help="run every strategy for the whole budget instead of stopping it at the target, so "
         "final errors compare at equal virtual time (time and bytes to the target are read where "
-        "its curve first reaches it)",
+        "its curve first reaches it; 'stays from' is where it reached it for good)",
     )
 
 
 def time_to_target(evals: list[dict], target: float) -> float | None:
     return next((e["t"] for e in evals if e["error"] <= target), None)
+
+
+def time_to_stay(evals: list[dict], target: float) -> float | None:
+    """When the held-out error reached `target` for good: the first eval from which every later
+    one is at or below it; None if the last is above. `time_to_target` is the first crossing, which
+    a noisy eval can make and then leave; with `--run-to-budget` this one says whether it held."""
+    settled = None
+    for e in evals:
+        if e["error"] > target:
+            settled = None
+        elif settled is None:
+            settled = e["t"]
+    return settled
 
 
 def bytes_to_target(evals: list[dict], target: float) -> int | None:
@@ -193,6 +206,7 @@ def run_case(case: dict) -> dict:
     return {
         "name": case["name"],
         "time_to_target_s": time_to_target(s["evals"], target),
+        "time_to_stay_s": time_to_stay(s["evals"], target),
         "bytes_to_target": per_client(bytes_to_target(s["evals"], target), clients),
         "final_eval": s["final_eval"],
         "initial_eval": s["initial_eval"],
@@ -279,17 +293,17 @@ def main(args) -> int:
     )
     plot(results, args.target, out.with_suffix(".png"))
     print(
-        f"{'strategy':20} {'to target':>10} {'kB to target':>13} {'final':>6} {'at':>7} "
+        f"{'strategy':20} {'to target':>10} {'stays from':>10} {'kB to target':>13} {'final':>6} {'at':>7} "
         f"{'kB up/client':>13} {'kB down/client':>15} {'of which Flower msgs':>21} "
         f"{'sooner':>8} {'fewer B':>8} {'bytes x':>8}"
     )
     for r in results:
-        t = f"{r['time_to_target_s']:.1f}s" if r["time_to_target_s"] is not None else "never"
+        t, stays = (f"{v:.1f}s" if v is not None else "never" for v in (r["time_to_target_s"], r["time_to_stay_s"]))
         b = f"{r['bytes_to_target'] / 1e3:.0f}" if r["bytes_to_target"] is not None else "-"
         sooner = ratio_text(r["speedup_vs_fedavg"], r["speedup_is_lower_bound"])
         fewer = ratio_text(r["bytes_to_target_ratio_vs_fedavg"], r["bytes_to_target_ratio_is_lower_bound"])
         print(
-            f"{r['name']:20} {t:>10} {b:>13} {r['final_eval']:6.3f} {r['virtual_s']:6.1f}s "
+            f"{r['name']:20} {t:>10} {stays:>10} {b:>13} {r['final_eval']:6.3f} {r['virtual_s']:6.1f}s "
             f"{r['bytes_up'] / 1e3:13.0f} {r['bytes_down'] / 1e3:15.0f} "
             f"{r['control_up'] / 1e3:9.0f} up {r['control_down'] / 1e3:6.0f} down "
             f"{sooner:>8} {fewer:>8} {r['bytes_ratio_vs_fedavg']:7.1f}x"

@@ -28,6 +28,7 @@ from fedrl.sim.bench.async_rounds import (
     run_with_one_unit,
     runs_dir,
     side_by_side,
+    time_to_stay,
     time_to_target,
 )
 from fedrl.sim.profiles import mix
@@ -201,6 +202,7 @@ def run_case(case: dict) -> dict:
         "method": cfg.method,
         "seed": cfg.seed,
         "time_to_target_s": time_to_target(s["evals"], target),
+        "time_to_stay_s": time_to_stay(s["evals"], target),
         "samples_to_target": samples_to_target(curve, target),
         "initial_eval": s["initial_eval"],
         "final_eval": s["final_eval"],
