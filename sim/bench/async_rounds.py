@@ -95,6 +95,10 @@ def time_to_target(evals: list[dict], target: float) -> float | None:
     return next((e["t"] for e in evals if e["error"] <= target), None)
 
 
+def seconds_text(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{seconds:.1f}s"
+
+
 def time_to_stay(evals: list[dict], target: float) -> float | None:
     """When the held-out error reached `target` for good: the first eval from which every later
     one is at or below it; None if the last is above. `time_to_target` is the first crossing, which
@@ -298,7 +302,7 @@ def main(args) -> int:
         f"{'sooner':>8} {'fewer B':>8} {'bytes x':>8}"
     )
     for r in results:
-        t, stays = (f"{v:.1f}s" if v is not None else "never" for v in (r["time_to_target_s"], r["time_to_stay_s"]))
+        t, stays = (seconds_text(r[key]) for key in ("time_to_target_s", "time_to_stay_s"))
         b = f"{r['bytes_to_target'] / 1e3:.0f}" if r["bytes_to_target"] is not None else "-"
         sooner = ratio_text(r["speedup_vs_fedavg"], r["speedup_is_lower_bound"])
         fewer = ratio_text(r["bytes_to_target_ratio_vs_fedavg"], r["bytes_to_target_ratio_is_lower_bound"])
