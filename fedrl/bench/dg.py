@@ -67,13 +67,18 @@ def run_reversal(case: dict) -> dict:
     }
 
 
+def _digits_policy(task: DigitsBandit) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(task.feature_dim, 100), torch.nn.ReLU(), torch.nn.Linear(100, task.num_actions)
+    )
+
+
 def run_digits(case: dict) -> dict:
     """Digits bandit: an MLP policy picks a class; the actor's weights are `staleness` steps old."""
     seed, steps, stale = case["seed"], case["steps"], case["staleness"]
     task = DigitsBandit()
     torch.manual_seed(seed)
-    policy = torch.nn.Sequential(torch.nn.Linear(64, 100), torch.nn.ReLU(), torch.nn.Linear(100, 10))
-    actor = torch.nn.Sequential(torch.nn.Linear(64, 100), torch.nn.ReLU(), torch.nn.Linear(100, 10))
+    policy, actor = _digits_policy(task), _digits_policy(task)
     learner = Learner(list(policy.parameters()), LearnerConfig(case["method"], lr=1e-3))
     buffer = StalenessBuffer(stale, uniform=False)
     buffer.push({k: v.clone() for k, v in policy.state_dict().items()})
