@@ -283,6 +283,10 @@ def cmd_volunteer(args) -> int:
     home = VolunteerHome.for_run(invite.run, args.home)
     if args.action == "status":
         return print_status(home)
+    if args.action == "leave":
+        from fedrl.volunteer.leave import leave
+
+        return leave(home, now=args.now, **({"timeout_s": args.timeout} if args.timeout else {}))
     if args.action in ("preflight", "probe"):
         home.remember(invite)
         checks = run_preflight(invite, str(home.ca_file), limits, home.data)
@@ -501,9 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_approve)
 
     p = sub.add_parser(
-        "volunteer", help="give this machine's compute to a federation (join, preflight, probe, status)"
+        "volunteer",
+        help="give this machine's compute to a federation (join, preflight, probe, status, leave)",
     )
-    p.add_argument("action", choices=["join", "preflight", "probe", "status"])
+    p.add_argument("action", choices=["join", "preflight", "probe", "status", "leave"])
     p.add_argument("invite", nargs="?", help="invite string or file (default: the one joined)")
     p.add_argument("--home", help="keep keys, state and logs under this folder (default: your user dirs)")
     p.add_argument("--max-cpu", type=int, default=0, help="CPU threads (and cores) to use; 0: all")
@@ -537,6 +542,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=number(float, *HEARTBEAT_RANGE),
         default=HEARTBEAT_S,
         help="the node's heartbeat interval, 10-1800 s: after a crash, it can join again within twice this",
+    )
+    p.add_argument(
+        "--now", action="store_true", help="leave: stop at once, as a second Ctrl-C would (nothing handed in)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=number(float, 1.0),
+        help="leave: seconds to wait for the volunteer to exit (default 600; it goes on leaving after)",
     )
     p.set_defaults(func=cmd_volunteer)
 

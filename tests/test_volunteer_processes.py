@@ -3,10 +3,11 @@ SuperNode auth) and the operator's approver, no SuperNodes of the operator's own
 volunteers join with `fedrl volunteer join INVITE` as processes. During one run, volunteer B is
 SIGKILLed mid-round and restarted (its cache is intact; it rejoins once Flower releases its old
 session and works again), volunteer A is withdrawn with SIGINT mid-round (exit 0 once the
-coordinator, which records "left" at once, says goodbye), then B withdraws and A joins again
-(it resumes from its cached state: with the run's top-1% uploads it pulls a small fraction of an
-anchor). One volunteer at a time works through each comeback, so the run cannot end before it.
-At the end the coordinator tells A the run is over, and A's withdrawal then waits for nothing.
+coordinator, which records "left" at once, says goodbye), then B withdraws (`fedrl volunteer
+leave` from another shell) and A joins again (it resumes from its cached state: with the run's
+top-1% uploads it pulls a small fraction of an anchor). One volunteer at a time works through
+each comeback, so the run cannot end before it. At the end the coordinator tells A the run is
+over, and A's withdrawal then waits for nothing.
 Limits: learner threads, the upload cap and the memory cap (the kernel's, on each process of the
 node) are kept to.
 Then a revoked key, a bad invite and an unreachable coordinator fail clearly."""
@@ -145,9 +146,13 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
         assert node_log.count("Starting Flower SuperNode") == 2 + held, node_log[-3000:]
         assert node_log.count("warm ClientApp launcher ready") == 2, node_log[-3000:]  # one a session
 
-        # B withdraws in turn and A joins again: the run cannot end without A's comeback either
-        b.proc.send_signal(signal.SIGINT)
-        assert b.proc.wait(120) == 0, b.log()[-2000:]
+        # B withdraws in turn, from another shell, and A joins again: the run cannot end without
+        # A's comeback either
+        leave = [tool("fedrl"), "volunteer", "leave", "--home", str(b.home_dir)]
+        left = subprocess.run(leave, capture_output=True, text=True, timeout=180)
+        assert left.returncode == 0, left.stdout + left.stderr
+        assert f"(pid {b.proc.pid}) left the federation cleanly (left, " in left.stdout, left.stdout
+        assert b.proc.wait(30) == 0, b.log()[-2000:]
         a.join()  # it holds its last version on disk
         assert deployment.federation.wait_run(run_id, 500) == "finished:completed"
         # the coordinator told A the run was over: withdrawing now waits for nothing

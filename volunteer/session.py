@@ -10,10 +10,12 @@
    from one warm launcher (fedrl.deploy.warm_clientapp) that the session keeps across restarts
    (and starts again if it dies);
 5. show a live status line from the ClientApp's status file;
-6. first Ctrl-C / SIGTERM / the `--until` time: ask the node to leave (fedrl.node_files:
-   it finishes or abandons its round, hands in its pending delta or not, says "leaving" to
-   the coordinator), then stop the SuperNode (Flower deactivates it) and exit 0; a second
-   Ctrl-C kills everything at once (every cache write is atomic: nothing is corrupted).
+6. first Ctrl-C / SIGTERM (`fedrl volunteer leave` from another shell) / the `--until` time:
+   ask the node to leave (fedrl.node_files: it finishes or abandons its round, hands in its
+   pending delta or not, says "leaving" to the coordinator), then stop the SuperNode (Flower
+   deactivates it) and exit 0; before the node started (enrolling, waiting for approval,
+   probing) it exits 0 at once. A second Ctrl-C kills everything at once (every cache write is
+   atomic: nothing is corrupted).
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class Session:
                         f"invited keys); by hand: flwr supernode register {self.home.node_key()[1]}"
                     )
                     shown = True
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self.leave_at is not None:
                     break
                 await asyncio.sleep(1.0)
                 entry = await store.enrollment(entry["fingerprint"])
@@ -192,6 +194,8 @@ class Session:
             raise VolunteerError(
                 EXIT_UNREACHABLE, f"cannot reach the patch store at {self.invite.store_url}: {err}"
             ) from None
+        if entry["status"] == "pending" and self.leave_at is not None:
+            return  # asked to leave while it waited for approval
         if entry["status"] == "refused":
             raise VolunteerError(
                 EXIT_REFUSED, f"the operator refused this node: {entry['reason'] or 'no reason'}"
@@ -360,10 +364,7 @@ class Session:
         write_json(self.home.session, {"pid": os.getpid(), "started": time.time(), "clean": False})
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.preflight()
-            self.enroll()
-            self.probe()
-            code = self.serve(crashed_before)
+            code = self.start_and_serve(crashed_before)
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -371,6 +372,14 @@ class Session:
         write_json(self.home.session, {"pid": os.getpid(), "ended": time.time(), "clean": True})
         (self.home.state_dir / LEAVE).unlink(missing_ok=True)
         return code
+
+    def start_and_serve(self, crashed_before: bool) -> int:
+        for stage in (self.preflight, self.enroll, self.probe):
+            stage()
+            if self.leave_at is not None:  # asked to leave before its node started: it owes nothing
+                self.say("left before the node started: nothing to hand in; bye")
+                return EXIT_OK
+        return self.serve(crashed_before)
 
     def serve(self, crashed_before: bool) -> int:
         line = LiveLine(self.console)
@@ -400,16 +409,7 @@ class Session:
             line.show(status_text(self.node_id, status))
             if self.leave_at is not None and self.left(status, log):
                 line.done()
-                said = (
-                    "the coordinator said goodbye"
-                    if status.get("acknowledged")
-                    else "the run was over"
-                    if status.get("run_over")
-                    else "the coordinator had pulled its replies"
-                    if status.get("phase") == "resting"
-                    else "no goodbye came"
-                )
-                self.say(f"left the federation cleanly ({status.get('phase', 'idle')}, {said}); bye")
+                self.say(f"left the federation cleanly ({how_it_left(status)}); bye")
                 return EXIT_OK
             if self.proc.poll() is not None:
                 if self.leave_at is not None:
@@ -445,6 +445,21 @@ class Session:
             return EXIT_FAILED, f"the SuperNode exited with {self.proc.returncode}: {tail}"
         self.say("lost the connection to the SuperLink; rejoining")
         return None
+
+
+def how_it_left(status: dict) -> str:
+    """A node's last phase and what told it that nothing more was owed, from its status file."""
+    said = (
+        "the coordinator said goodbye"
+        if status.get("acknowledged")
+        else "the run was over"
+        if status.get("run_over")
+        else "the coordinator had pulled its replies"
+        if status.get("phase") == "resting"
+        else "no goodbye came"
+    )
+    phase = status.get("phase", "idle")
+    return "before its node started" if phase == "connecting" else f"{phase}, {said}"
 
 
 def status_text(node_id, s: dict) -> str:

@@ -1,0 +1,94 @@
+"""`fedrl volunteer leave`: withdraw the volunteer that runs for a federation, from any shell.
+
+It asks the running `fedrl volunteer join` to leave as a first Ctrl-C would (SIGTERM: finish or
+abandon the round as its `--on-exit` says, hand in the delta, wait for the coordinator's
+goodbye), then waits for it to exit and says how it left. A volunteer already leaving is not
+signalled again (a second signal stops it at once); `--now` is that second signal, sent once
+the first was taken.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+from rich.console import Console
+
+from fedrl.live_line import LiveLine
+from fedrl.node_files import LEAVE, STATUS, read_json
+from fedrl.volunteer.home import VolunteerHome
+from fedrl.volunteer.session import EXIT_FAILED, EXIT_OK, how_it_left
+
+POLL_S = 0.2
+TAKEN_S = 10.0  # the longest `--now` waits for the first signal to be taken before the second
+LEAVE_TIMEOUT_S = 600.0  # longer than a withdrawal waits for its round (Session.exit_timeout_s)
+
+
+def leave(
+    home: VolunteerHome, now: bool = False, timeout_s: float = LEAVE_TIMEOUT_S, console: Console | None = None
+) -> int:
+    """Withdraw the volunteer running on `home`; the exit status (0: it left, or none ran)."""
+    console = console or Console(highlight=False)
+    pid = home.running_pid()
+    if pid is None:
+        console.print(f"no volunteer runs on {home.data}: nothing to leave", markup=False)
+        return EXIT_OK
+    try:
+        proc = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return outcome(home, pid, now, console)
+    if leaving(home):
+        console.print(f"the volunteer (pid {pid}) is already leaving", markup=False)
+    else:
+        os.kill(pid, signal.SIGTERM)
+    if now:
+        taken = time.monotonic() + TAKEN_S
+        while not leaving(home) and proc.is_running() and time.monotonic() < taken:
+            time.sleep(POLL_S)
+        if proc.is_running():
+            os.kill(pid, signal.SIGTERM)  # the second signal: everything stops at once
+    line, deadline = LiveLine(console), time.monotonic() + timeout_s
+    while proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+        if time.monotonic() > deadline:
+            line.done()
+            console.print(
+                f"the volunteer (pid {pid}) is still leaving after {timeout_s:g} s; it goes on: "
+                "`fedrl volunteer leave --now` stops it at once",
+                markup=False,
+            )
+            return EXIT_FAILED
+        line.show(f"waiting for the volunteer (pid {pid}) to leave: {read_status(home).get('phase', '?')}")
+        time.sleep(POLL_S)
+    line.done()
+    return outcome(home, pid, now, console)
+
+
+def outcome(home: VolunteerHome, pid: int, now: bool, console: Console) -> int:
+    if home.last_session().get("clean"):
+        left = how_it_left(read_status(home))
+        console.print(f"the volunteer (pid {pid}) left the federation cleanly ({left})", markup=False)
+        return EXIT_OK
+    if now:
+        console.print(
+            f"the volunteer (pid {pid}) stopped at once; its cached work stays in {home.data}", markup=False
+        )
+        return EXIT_OK
+    console.print(
+        f"the volunteer (pid {pid}) exited without leaving cleanly: see {home.logs} and where it ran",
+        markup=False,
+    )
+    return EXIT_FAILED
+
+
+def leaving(home: VolunteerHome) -> bool:
+    """The session took a request to leave (it writes LEAVE on the first signal)."""
+    return (home.state_dir / LEAVE).exists()
+
+
+def read_status(home: VolunteerHome) -> dict:
+    try:
+        return read_json(home.state_dir / STATUS) or {}
+    except ValueError:  # a status file being replaced
+        return {}
