@@ -270,11 +270,8 @@ def cmd_approve(args) -> int:
 
 def cmd_volunteer(args) -> int:
     from fedrl.volunteer.home import VolunteerHome, resolve_invite
-    from fedrl.volunteer.preflight import failed, preflight_table, run_preflight
-    from fedrl.volunteer.probe import Limits, probe_table, run_probe
-    from fedrl.volunteer.session import EXIT_BAD_INPUT, join, print_status
+    from fedrl.volunteer.node_status import EXIT_BAD_INPUT, print_status
 
-    limits = Limits(args.max_cpu, args.max_memory, args.upload_kbps, args.download_kbps, args.round_s)
     try:
         invite = resolve_invite(args.invite, args.home)
     except ValueError as err:
@@ -287,6 +284,11 @@ def cmd_volunteer(args) -> int:
         from fedrl.volunteer.leave import leave
 
         return leave(home, now=args.now, **({"timeout_s": args.timeout} if args.timeout else {}))
+    from fedrl.volunteer.preflight import failed, preflight_table, run_preflight
+    from fedrl.volunteer.probe import Limits, probe_table, run_probe
+    from fedrl.volunteer.session import join
+
+    limits = Limits(args.max_cpu, args.max_memory, args.upload_kbps, args.download_kbps, args.round_s)
     if args.action in ("preflight", "probe"):
         home.remember(invite)
         checks = run_preflight(invite, str(home.ca_file), limits, home.data)

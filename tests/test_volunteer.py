@@ -31,7 +31,7 @@ from fedrl.schema import PROTOCOL
 from fedrl.store_client import PatchStoreClient, StoreError
 from fedrl.strategies.coordinator import run_coordinator
 from fedrl.strategies.scheduler import BlockScheduler
-from fedrl.volunteer.session import print_status, status_text
+from fedrl.volunteer.node_status import print_status, status_text
 
 LEARNER = dict(
     model="tiny",
@@ -342,7 +342,7 @@ def test_the_cli_fails_clearly_on_a_bad_invite_and_an_unreachable_store(tmp_path
 def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
     from fedrl.node_files import STATUS, update_status
     from fedrl.volunteer.home import VolunteerHome
-    from fedrl.volunteer.session import print_status
+    from fedrl.volunteer.node_status import print_status
 
     invite = make_invite("r", "127.0.0.1:9", "https://127.0.0.1:9", ca, new_secret(), **LEARNER)
     home = VolunteerHome.for_run(invite.run, tmp_path)

@@ -7,8 +7,15 @@
 returns 0 after a clean withdrawal (Ctrl-C, SIGTERM, or `until`). See fedrl.volunteer.session.
 """
 
-from fedrl.invite import load_invite
-from fedrl.volunteer.probe import Limits
-from fedrl.volunteer.session import join
-
 __all__ = ["Limits", "join", "load_invite"]
+_FROM = {"Limits": "fedrl.volunteer.probe", "join": "fedrl.volunteer.session", "load_invite": "fedrl.invite"}
+
+
+def __getattr__(name: str):
+    """Imported when first asked for: `join` and `Limits` bring torch and peft (seconds), which
+    `fedrl volunteer status` and `leave` do without."""
+    if name not in _FROM:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_FROM[name]), name)

@@ -17,9 +17,9 @@ import psutil
 from rich.console import Console
 
 from fedrl.live_line import LiveLine
-from fedrl.node_files import LEAVE, STATUS, read_json
+from fedrl.node_files import LEAVE
 from fedrl.volunteer.home import VolunteerHome
-from fedrl.volunteer.session import EXIT_FAILED, EXIT_OK, how_it_left
+from fedrl.volunteer.node_status import EXIT_FAILED, EXIT_OK, how_it_left, read_status
 
 POLL_S = 0.2
 TAKEN_S = 10.0  # the longest `--now` waits for the first signal to be taken before the second
@@ -30,7 +30,7 @@ def leave(
     home: VolunteerHome, now: bool = False, timeout_s: float = LEAVE_TIMEOUT_S, console: Console | None = None
 ) -> int:
     """Withdraw the volunteer running on `home`; the exit status (0: it left, or none ran)."""
-    console = console or Console(highlight=False)
+    console = console or Console(highlight=False, soft_wrap=True)  # a path split across lines is no path
     pid = home.running_pid()
     if pid is None:
         console.print(f"no volunteer runs on {home.data}: nothing to leave", markup=False)
@@ -85,10 +85,3 @@ def outcome(home: VolunteerHome, pid: int, now: bool, console: Console) -> int:
 def leaving(home: VolunteerHome) -> bool:
     """The session took a request to leave (it writes LEAVE on the first signal)."""
     return (home.state_dir / LEAVE).exists()
-
-
-def read_status(home: VolunteerHome) -> dict:
-    try:
-        return read_json(home.state_dir / STATUS) or {}
-    except ValueError:  # a status file being replaced
-        return {}

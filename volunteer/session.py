@@ -27,7 +27,6 @@ import re
 import resource
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,6 @@ from fedrl.node_files import (
     LEAVE,
     ON_EXIT,
     PROBE,
-    STATUS,
     read_json,
     update_status,
     write_atomic,
@@ -57,11 +55,20 @@ from fedrl.protocol import HardwareProbe
 from fedrl.signing import key_fingerprint_ssh
 from fedrl.store_client import PatchStoreClient, StoreError
 from fedrl.volunteer.home import VolunteerHome
+from fedrl.volunteer.node_status import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_UNREACHABLE,
+    how_it_left,
+    read_status,
+    status_text,
+)
 from fedrl.volunteer.preflight import STORE, SUPERLINK, failed, preflight_table, run_preflight
 from fedrl.volunteer.probe import Limits, probe_json, probe_matches, probe_table, run_probe
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
-EXIT_INTERRUPTED = 130
 SESSION_RELEASE_S = 150.0  # how long a crashed node's old session may hold its key (Flower: ~60 s)
 SESSION_RETRY_S = 2.0  # between tries while it holds it (each starts a SuperNode and its SuperExec)
 MEMORY_CHECK_S = 5.0  # how often the session sums the node's memory against --max-memory
@@ -325,10 +332,7 @@ class Session:
             self.leave_at = time.monotonic()
 
     def status(self) -> dict:
-        try:
-            return read_json(self.home.state_dir / STATUS) or {}
-        except ValueError:
-            return {}
+        return read_status(self.home)
 
     def left(self, status: dict, log: str) -> bool:
         """Nothing is left to send: no message is being handled and no reply is on its way
@@ -447,44 +451,6 @@ class Session:
         return None
 
 
-def how_it_left(status: dict) -> str:
-    """A node's last phase and what told it that nothing more was owed, from its status file."""
-    said = (
-        "the coordinator said goodbye"
-        if status.get("acknowledged")
-        else "the run was over"
-        if status.get("run_over")
-        else "the coordinator had pulled its replies"
-        if status.get("phase") == "resting"
-        else "no goodbye came"
-    )
-    phase = status.get("phase", "idle")
-    return "before its node started" if phase == "connecting" else f"{phase}, {said}"
-
-
-def status_text(node_id, s: dict) -> str:
-    """A node's status in one line: its phase, versions, reward and traffic."""
-    if node_id is None:
-        return "connecting ..."
-    if not s:
-        return f"node {node_id} | connected | waiting for work"
-    kb = lambda n: f"{n / 1000:,.0f} kB"  # noqa: E731
-    g = s.get
-    phase = g("phase", "?") + (" (run over)" if g("run_over") else "")
-    if g("phase") == "resting":  # asked nothing until then: its last updates were refused
-        until = time.strftime("%H:%M:%S", time.localtime(g("rest_until", 0)))
-        phase += f" until {until} (updates refused for their direction)"
-    memory = f" | out of memory {g('memory_retries')}x: {g('prompts')} prompts a step"
-    return (
-        f"node {node_id} | {phase} | v{g('version', '?')} held v{g('synced_version', '?')}"
-        f" staleness {g('staleness', 0)} | reward {g('reward', 0):.3f} | rounds {g('rounds', 0)}"
-        f" | up {kb(g('bytes_up', 0))} down {kb(g('bytes_down', 0))}"
-        f" | {g('link_bytes_per_s', 0) / 1000:,.1f} kB/s"
-        + (memory if g("memory_retries") else "")
-        + (f" | last message refused or failed: {g('error')}" if g("error") else "")
-    )
-
-
 def join(
     invite: Invite,
     limits: Limits | None = None,
@@ -503,36 +469,3 @@ def join(
     except VolunteerError as err:
         session.say(f"fedrl volunteer: {err}")
         return err.code
-
-
-def print_status(home: VolunteerHome, out=sys.stdout) -> int:
-    """`fedrl volunteer status`: whether the volunteer runs, what its node did last, its probe."""
-    pid = home.running_pid()
-    status = read_json(home.state_dir / STATUS) or {}
-    probe = read_json(home.state_dir / PROBE)
-    out.write(f"volunteer: {'not running' if pid is None else f'running (pid {pid})'}\n")
-    for key in (
-        "phase",
-        "version",
-        "synced_version",
-        "staleness",
-        "reward",
-        "rounds",
-        "bytes_up",
-        "bytes_down",
-        "prompts",
-        "memory_retries",
-        "run_over",
-        "error",
-    ):
-        if status.get(key, "") != "":  # an empty error: the last message went through
-            out.write(f"  {key}: {status[key]}\n")
-    if "updated_at" in status:
-        out.write(f"  last message: {time.time() - status['updated_at']:.0f} s ago\n")
-    if probe:
-        out.write(
-            "  probe: "
-            + ", ".join(f"{k}={probe[k]}" for k in ("step_s", "steps_per_round", "prompts"))
-            + "\n"
-        )
-    return EXIT_OK
