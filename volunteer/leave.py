@@ -9,7 +9,6 @@ the first was taken.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -37,20 +36,22 @@ def leave(
         return EXIT_OK
     try:
         proc = psutil.Process(pid)
-    except psutil.NoSuchProcess:
+        if leaving(home):
+            console.print(f"the volunteer (pid {pid}) is already leaving", markup=False)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        if now:
+            taken = time.monotonic() + TAKEN_S
+            while not leaving(home) and alive(proc) and time.monotonic() < taken:
+                time.sleep(POLL_S)
+            proc.send_signal(signal.SIGTERM)  # the second signal: everything stops at once
+    except psutil.NoSuchProcess:  # it exited meanwhile: its files say how
         return outcome(home, pid, now, console)
-    if leaving(home):
-        console.print(f"the volunteer (pid {pid}) is already leaving", markup=False)
-    else:
-        os.kill(pid, signal.SIGTERM)
-    if now:
-        taken = time.monotonic() + TAKEN_S
-        while not leaving(home) and proc.is_running() and time.monotonic() < taken:
-            time.sleep(POLL_S)
-        if proc.is_running():
-            os.kill(pid, signal.SIGTERM)  # the second signal: everything stops at once
+    except psutil.AccessDenied as err:
+        console.print(f"cannot signal the volunteer (pid {pid}): {err}", markup=False)
+        return EXIT_FAILED
     line, deadline = LiveLine(console), time.monotonic() + timeout_s
-    while proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+    while alive(proc):
         if time.monotonic() > deadline:
             line.done()
             console.print(
@@ -80,6 +81,14 @@ def outcome(home: VolunteerHome, pid: int, now: bool, console: Console) -> int:
         markup=False,
     )
     return EXIT_FAILED
+
+
+def alive(proc: psutil.Process) -> bool:
+    """Still running: not gone, and not a zombie its parent has yet to reap."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def leaving(home: VolunteerHome) -> bool:
