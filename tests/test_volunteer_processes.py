@@ -139,6 +139,7 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
         assert a.proc.wait(120) == 0, a.log()[-2000:]
         assert a.status()["phase"] == "left" and a.status()["acknowledged"] is True
         assert "left the federation cleanly (left, the coordinator said goodbye)" in a.log()
+        assert a.log().count("to leave cleanly: Ctrl-C here, or `fedrl volunteer leave`") == 1  # told once
         wait_for(lambda: b.status().get("rounds", 0) > b_rounds, 240, "B back at work")
         # its comeback restarted the SuperNode while the SuperLink held the old session, each time
         # with the one launcher its session keeps (importing torch and peft takes seconds of CPU)

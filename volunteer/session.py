@@ -358,7 +358,7 @@ class Session:
             raise VolunteerError(
                 EXIT_BAD_INPUT,
                 f"a volunteer already runs for this federation (pid {pid}, home {self.home.data}): "
-                f"stop it first (Ctrl-C where it runs, or kill -TERM {pid})",
+                f"stop it first (Ctrl-C where it runs, or `fedrl volunteer leave`)",
             )
         self.home.remember(self.invite)
         (self.home.state_dir / LEAVE).unlink(missing_ok=True)
@@ -407,8 +407,10 @@ class Session:
                 self.say(f"\n{note}")
             log = self.node_log()
             if self.node_id is None and (found := re.search(r"SuperNode ID: (\d+)", log)):
+                self.say(f"connected to {self.invite.superlink} as node {found.group(1)}")
+                if not connected_once:
+                    self.say("to leave cleanly: Ctrl-C here, or `fedrl volunteer leave` from another shell")
                 self.node_id, connected_once = int(found.group(1)), True
-                self.say(f"connected to {self.invite.superlink} as node {self.node_id}")
             status = self.status()
             line.show(status_text(self.node_id, status))
             if self.leave_at is not None and self.left(status, log):
