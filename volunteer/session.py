@@ -331,9 +331,6 @@ class Session:
             write_json(self.home.state_dir / LEAVE, {"on_exit": self.on_exit, "at": time.time()})
             self.leave_at = time.monotonic()
 
-    def status(self) -> dict:
-        return read_status(self.home)
-
     def left(self, status: dict, log: str) -> bool:
         """Nothing is left to send: no message is being handled and no reply is on its way
         (stopping the SuperNode sooner loses the reply and the delta it carries), the coordinator
@@ -411,7 +408,7 @@ class Session:
                 if not connected_once:
                     self.say("to leave cleanly: Ctrl-C here, or `fedrl volunteer leave` from another shell")
                 self.node_id, connected_once = int(found.group(1)), True
-            status = self.status()
+            status = read_status(self.home)
             line.show(status_text(self.node_id, status))
             if self.leave_at is not None and self.left(status, log):
                 line.done()
