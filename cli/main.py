@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedrl.arguments import PORT, future_time, integer, number
+from fedrl.arguments import PORT, future_time, integer, number, parse_overrides
 from fedrl.deploy.supernode_timing import HEARTBEAT_RANGE, HEARTBEAT_S
 
 
@@ -164,7 +164,6 @@ def cmd_deploy(args) -> int:
     from fedrl.deploy.federation import failure_of
     from fedrl.deploy.local import LocalDeployment
     from fedrl.live_line import LiveLine
-    from fedrl.sim.runner import parse_overrides
 
     overrides = parse_overrides(args.set or [])
     if args.where == "node":
@@ -227,7 +226,6 @@ def cmd_invite(args) -> int:
     from fedrl.credentials import read_secret
     from fedrl.deploy.local import learner_settings
     from fedrl.invite import make_invite
-    from fedrl.sim.runner import parse_overrides
 
     learner = learner_settings(parse_overrides(args.set or []))  # compose passes the whole RUN_CONFIG
     invite = make_invite(

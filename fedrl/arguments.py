@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import time
 from collections.abc import Callable
 
@@ -49,3 +50,18 @@ def future_time(text: str) -> float:
     if when <= time.time():
         raise argparse.ArgumentTypeError(f"{text} is in the past")
     return when
+
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """`--set KEY=VALUE ...` as a dict: values parsed as JSON, else kept as strings; dashes in
+    keys read as underscores."""
+    overrides = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            overrides[key.replace("-", "_")] = json.loads(value)
+        except ValueError:  # a bare string such as mode=fedavg-lora
+            overrides[key.replace("-", "_")] = value
+    return overrides

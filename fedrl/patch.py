@@ -60,6 +60,15 @@ import torch
 import zstandard
 
 from fedrl import patch_kernels
+from fedrl.patch_errors import (
+    BaseMismatch,
+    CorruptPatch,
+    PatchTooLarge,
+    TargetMismatch,
+    TensorMismatch,
+    TruncatedPatch,
+    UnknownFormat,
+)
 
 MAGIC = b"FRLP"
 # 8: joint entries of small tensors (7: the changes hash; 6: near tiers by exponent, Rice-coded
@@ -145,38 +154,6 @@ def compress_body(body: bytes, level: int | None = None, declared: bool = True) 
 def decompress_body(frame: bytes, max_output_size: int) -> bytes:
     decompressor = zstandard.ZstdDecompressor(dict_data=_HEADER_WORDS)
     return decompressor.decompress(frame, max_output_size=max_output_size)
-
-
-class PatchError(ValueError):
-    """A patch that cannot be trusted; the subclass says why."""
-
-
-class UnknownFormat(PatchError):
-    pass
-
-
-class TruncatedPatch(PatchError):
-    pass
-
-
-class CorruptPatch(PatchError):
-    pass
-
-
-class PatchTooLarge(PatchError):
-    pass
-
-
-class BaseMismatch(PatchError):
-    pass
-
-
-class TensorMismatch(PatchError):
-    pass
-
-
-class TargetMismatch(PatchError):
-    pass
 
 
 @dataclass(frozen=True)

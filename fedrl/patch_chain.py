@@ -14,15 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from fedrl.patch import (
-    PatchError,
-    PatchHeader,
-    TargetMismatch,
-    apply_patch,
-    encode_patch,
-    read_header,
-    state_hash,
-)
+from fedrl.patch import PatchHeader, apply_patch, encode_patch, read_header, state_hash
+from fedrl.patch_errors import PatchError, TargetMismatch
 from fedrl.patch_routes import PatchRef, sync_plans
 
 

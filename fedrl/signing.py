@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fedrl.credentials import write_private
-from fedrl.patch import PatchError
+from fedrl.patch_errors import PatchError
 
 SIGNED_MAGIC = b"FRLS"
 SIGNATURE_BYTES = 64

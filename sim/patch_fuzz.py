@@ -24,7 +24,6 @@ import zstandard
 
 from fedrl.patch import (
     FORMAT_VERSION,
-    PatchError,
     PatchLimits,
     apply_patch,
     compress_body,
@@ -35,6 +34,7 @@ from fedrl.patch import (
     to_bits,
 )
 from fedrl.patch_chain import check_labels
+from fedrl.patch_errors import PatchError
 from fedrl.patch_routes import PatchRef
 from fedrl.signing import SIGNATURE_BYTES, generate_signing_key, sign_patch, verify_signed_patch
 from fedrl.sim.memory import reset_peak, status_bytes

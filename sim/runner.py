@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from fedrl.arguments import parse_overrides
 from fedrl.ports import check_port_free, free_port
 from fedrl.sim.simulated_server import SimConfig, split_config
 from fedrl.strategies.run_config import RunConfig
@@ -101,19 +102,6 @@ def ray_backend(cpus_per_client: float) -> dict:
             "log_to_driver": False,
         },
     }
-
-
-def parse_overrides(items: list[str] | None) -> dict:
-    overrides = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
-        try:
-            overrides[key.replace("-", "_")] = json.loads(value)
-        except ValueError:  # a bare string such as mode=fedavg-lora
-            overrides[key.replace("-", "_")] = value
-    return overrides
 
 
 def main(args) -> int:

@@ -43,8 +43,9 @@ from fedrl.failpoints import failpoint
 from fedrl.lora import build_adapter_model
 from fedrl.monitor import MonitorServer
 from fedrl.node_files import write_json
-from fedrl.patch import PatchError, PatchLimits, apply_patch, state_hash
+from fedrl.patch import PatchLimits, apply_patch, state_hash
 from fedrl.patch_chain import PatchPublisher, in_catalog, published
+from fedrl.patch_errors import PatchError
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.protocol import (
     MESSAGE_TYPE,

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from cli_process import run_fedrl
+from cli_process import run_fedrl, run_main_light
 
 from fedrl.cli.main import main
 
@@ -153,3 +153,45 @@ def test_a_simulation_whose_output_path_cannot_be_a_folder_fails_before_it_start
     (tmp_path / "a-file").write_text("")
     out = run_fedrl("sim", "--out", str(tmp_path / "a-file" / "run"), timeout=60)
     assert out.returncode == 2 and "Not a directory" in out.stderr and "%|" not in out.stderr, out.stderr
+
+
+def test_service_commands_answer_without_importing_torch(tmp_path):
+    """The operator's commands that serve or write files need none of torch, transformers, peft or
+    flwr: before, `fedrl patch-store` imported torch (1.5 s), and `fedrl invite` and every
+    `fedrl deploy` all four (2.6 s) just to read `--set`."""
+    from fedrl.certs import make_ca
+    from fedrl.credentials import load_or_create_secret
+
+    make_ca(tmp_path)
+    load_or_create_secret(tmp_path / "secret")
+    store = ("--store-url", "https://127.0.0.1:9", "--ca-file", str(tmp_path / "ca.pem"))
+    invite = tmp_path / "invite.txt"
+    for args, code, said in (
+        (
+            (
+                "invite",
+                "--run",
+                "r",
+                "--superlink",
+                "127.0.0.1:9",
+                *store,
+                "--secret-file",
+                str(tmp_path / "secret"),
+            )
+            + ("--out", str(invite), "--set", "lr=0.001"),
+            0,
+            "invite for run 'r' written",
+        ),
+        (("patch-store", "--secret-file", str(tmp_path / "none")), 2, "cannot read the secret file"),
+        (
+            ("approve", "--superlink", "127.0.0.1:9", *store[:2], "--ca-file", str(tmp_path / "none"))
+            + ("--secret-file", str(tmp_path / "secret")),
+            2,
+            "not found",
+        ),
+        (("deploy", "submit", "--certs", str(tmp_path), "--set", "bogus=1"), 2, "unknown run config keys"),
+        (("deploy", "node", "--certs", str(tmp_path / "none")), 2, "not found"),
+    ):
+        rc, heavy, text = run_main_light(*args)
+        assert (rc, heavy) == (code, []) and said in text, (args, rc, heavy, text)
+    assert invite.read_text().startswith("fedrl-invite:")

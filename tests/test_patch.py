@@ -16,15 +16,7 @@ import fedrl.patch
 from fedrl.patch import (
     FORMAT_VERSION,
     JOINT_NUMEL,
-    BaseMismatch,
-    CorruptPatch,
-    PatchError,
     PatchLimits,
-    PatchTooLarge,
-    TargetMismatch,
-    TensorMismatch,
-    TruncatedPatch,
-    UnknownFormat,
     apply_patch,
     changes_hash,
     decode_indices,
@@ -36,6 +28,16 @@ from fedrl.patch import (
     shuffle_bytes,
     state_hash,
     to_bits,
+)
+from fedrl.patch_errors import (
+    BaseMismatch,
+    CorruptPatch,
+    PatchError,
+    PatchTooLarge,
+    TargetMismatch,
+    TensorMismatch,
+    TruncatedPatch,
+    UnknownFormat,
 )
 from fedrl.sim.patch_fuzz import bits_equal, body_of, cases, fuzz_signed, rewrap, try_bombs, with_header
 

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from cli_process import run_main_light
 from rich.console import Console
 from test_volunteer import LEARNER
 
@@ -179,10 +180,5 @@ def test_status_and_leave_answer_without_importing_torch(tmp_path):
     )
     VolunteerHome.for_run(invite.run, tmp_path / "v").remember(invite)
     for action, said in (("status", "volunteer: not running"), ("leave", "nothing to leave")):
-        code = (
-            "import sys; from fedrl.cli.main import main; "
-            f"rc = main(['volunteer', '{action}', '--home', {str(tmp_path / 'v')!r}]); "
-            "print(rc, sorted(m for m in ('torch', 'transformers', 'peft', 'flwr') if m in sys.modules))"
-        )
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-        assert out.stdout.strip().endswith("0 []") and said in out.stdout, out.stdout + out.stderr
+        rc, heavy, text = run_main_light("volunteer", action, "--home", str(tmp_path / "v"))
+        assert (rc, heavy) == (0, []) and said in text, text

@@ -14,11 +14,11 @@ import json
 import time
 from pathlib import Path
 
-from fedrl.arguments import SECONDS, integer
+from fedrl.arguments import SECONDS, integer, parse_overrides
 from fedrl.bench.common import add_workers_argument, run_cases, write_json
 from fedrl.protocol import WIRE_DTYPES
 from fedrl.sim.report import write_report
-from fedrl.sim.runner import parse_overrides, simulate
+from fedrl.sim.runner import simulate
 from fedrl.sim.simulated_server import SimConfig
 from fedrl.strategies.run_config import RunConfig
 

@@ -33,12 +33,12 @@ import json
 import time
 from pathlib import Path
 
-from fedrl.arguments import integer
+from fedrl.arguments import integer, parse_overrides
 from fedrl.bench.common import add_workers_argument, write_json
 from fedrl.patch import PatchLimits
 from fedrl.sim.attacks import ATTACKS
 from fedrl.sim.bench.async_rounds import add_set_argument, add_step_s_argument, run_with_one_unit
-from fedrl.sim.runner import parse_overrides, simulate
+from fedrl.sim.runner import simulate
 from fedrl.sim.simulated_server import SimConfig
 from fedrl.strategies.run_config import RunConfig
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedrl.arguments import SHARE, integer
+from fedrl.arguments import SHARE, integer, parse_overrides
 from fedrl.bench.common import add_workers_argument, write_json
 from fedrl.sim.bench.async_rounds import (
     add_set_argument,
@@ -33,7 +33,7 @@ from fedrl.sim.bench.async_rounds import (
 )
 from fedrl.sim.profiles import mix
 from fedrl.sim.report import write_report
-from fedrl.sim.runner import parse_overrides, simulate
+from fedrl.sim.runner import simulate
 from fedrl.sim.scenario import load_scenario
 from fedrl.sim.simulated_server import SimConfig, split_config
 
