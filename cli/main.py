@@ -279,9 +279,9 @@ def cmd_volunteer(args) -> int:
     if args.action == "status":
         return print_status(home)
     if args.action == "leave":
-        from fedrl.volunteer.leave import LEAVE_TIMEOUT_S, leave
+        from fedrl.volunteer.withdrawal import LEAVE_TIMEOUT_S, leave
 
-        return leave(home, now=args.now, timeout_s=args.timeout or LEAVE_TIMEOUT_S)
+        return leave(invite, args.home, now=args.now, timeout_s=args.timeout or LEAVE_TIMEOUT_S)
     from fedrl.volunteer.preflight import failed, preflight_table, run_preflight
     from fedrl.volunteer.probe import Limits, probe_table, run_probe
     from fedrl.volunteer.session import join

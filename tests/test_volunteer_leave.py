@@ -18,19 +18,21 @@ from test_volunteer import LEARNER
 
 from fedrl.certs import make_ca, make_server_cert
 from fedrl.credentials import new_secret
-from fedrl.invite import make_invite
+from fedrl.invite import InviteError, make_invite
 from fedrl.node_files import LEAVE, STATUS, read_json, write_json
 from fedrl.patch_store import PatchStoreServer, StoreState, ssl_context
 from fedrl.volunteer.home import VolunteerHome
-from fedrl.volunteer.leave import leave
 from fedrl.volunteer.node_status import EXIT_FAILED, EXIT_OK, how_it_left
 from fedrl.volunteer.session import Session
+from fedrl.volunteer.withdrawal import withdraw
 
 # A volunteer's session as its files show it: its pid in session.json, LEAVE written on the first
-# signal, and on leaving its last status and a clean session; a second signal stops it at once.
+# signal (and removed as a session starts and ends), and on leaving its last status and a clean
+# session; a second signal stops it at once.
 STAND_IN = """
 import json, os, signal, sys, time
 home, state, mode = sys.argv[1], sys.argv[2], sys.argv[5]
+leave = os.path.join(state, "leave.json")
 def write(path, data):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -42,21 +44,24 @@ def on_signal(signum, frame):
     with open(os.path.join(home, "signals"), "a") as f:
         f.write("TERM\\n")
     if len(signals) == 1:
-        write(os.path.join(state, "leave.json"), {"on_exit": "flush", "at": time.time()})
+        write(leave, {"on_exit": "flush", "at": time.time()})
     elif mode != "stubborn":
         os._exit(130)
 signal.signal(signal.SIGTERM, on_signal)
+if os.path.exists(leave):  # the last session's request
+    os.remove(leave)
 write(os.path.join(home, "session.json"), {"pid": os.getpid(), "started": time.time(), "clean": False})
 open(os.path.join(home, "ready"), "w").close()
 deadline = time.time() + 60
 while time.time() < deadline:
-    leaving = os.path.exists(os.path.join(state, "leave.json"))
+    leaving = os.path.exists(leave)
     if leaving and mode in ("clean", "crash"):
         time.sleep(0.5)  # the round being finished and handed in
         if mode == "crash":
             sys.exit(1)
         write(os.path.join(state, "status.json"), {"phase": "left", "acknowledged": True})
         write(os.path.join(home, "session.json"), {"pid": os.getpid(), "ended": time.time(), "clean": True})
+        os.remove(leave)
         sys.exit(0)
     time.sleep(0.05)
 """
@@ -92,34 +97,53 @@ def said(run) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def test_with_no_volunteer_running_there_is_nothing_to_leave(home):
-    assert said(lambda c: leave(home, console=c)) == (
+def test_with_no_volunteer_running_there_is_nothing_to_withdraw(home):
+    assert said(lambda c: withdraw(home, console=c)) == (
         EXIT_OK,
         f"no volunteer runs on {home.data}: nothing to leave\n",
     )
     write_json(home.session, {"pid": 999_999_999, "clean": False})  # a crashed volunteer's session
-    assert said(lambda c: leave(home, console=c))[0] == EXIT_OK
+    assert said(lambda c: withdraw(home, console=c))[0] == EXIT_OK
 
 
 def test_one_signal_asks_the_volunteer_to_leave_and_its_way_out_is_reported(home):
     proc = stand_in(home, "clean")
-    code, text = said(lambda c: leave(home, console=c))
+    code, text = said(lambda c: withdraw(home, console=c))
     assert proc.wait(10) == 0 and code == EXIT_OK, text
     assert signals(home) == 1  # a second would have stopped it at once
     assert f"(pid {proc.pid}) left the federation cleanly (left, the coordinator said goodbye)" in text
 
 
+def test_the_sdks_leave_finds_the_volunteer_by_its_invite_or_as_the_one_federation_joined(home, tmp_path):
+    from fedrl.volunteer import leave
+
+    make_ca(tmp_path)
+    invite = make_invite(
+        "r", "127.0.0.1:9", "https://127.0.0.1:9", tmp_path / "ca.pem", new_secret(), **LEARNER
+    )
+    with pytest.raises(InviteError, match="none joined yet"):
+        leave(home=tmp_path)
+    home.remember(invite)  # as join does
+    for given in (invite, None):  # None: the one federation this machine joined
+        proc = stand_in(home, "clean")
+        code, text = said(lambda c, given=given: leave(given, home=tmp_path, console=c))
+        assert proc.wait(10) == 0 and code == EXIT_OK and signals(home) == 1, text
+        assert f"(pid {proc.pid}) left the federation cleanly" in text
+        for mark in ("signals", "ready"):  # the next stand-in's
+            (home.data / mark).unlink()
+
+
 def test_a_volunteer_already_leaving_is_not_signalled_again(home):
     proc = stand_in(home, "clean")
     write_json(home.state_dir / LEAVE, {"on_exit": "flush", "at": time.time()})  # a Ctrl-C where it runs
-    code, text = said(lambda c: leave(home, console=c))
+    code, text = said(lambda c: withdraw(home, console=c))
     assert proc.wait(10) == 0 and code == EXIT_OK and signals(home) == 0, text
     assert "is already leaving" in text and "left the federation cleanly" in text
 
 
 def test_now_is_the_second_signal_once_the_first_was_taken(home):
     proc = stand_in(home, "slow")  # it never finishes leaving by itself
-    code, text = said(lambda c: leave(home, now=True, console=c))
+    code, text = said(lambda c: withdraw(home, now=True, console=c))
     assert proc.wait(10) == 130 and code == EXIT_OK and signals(home) == 2, text
     assert f"(pid {proc.pid}) stopped at once; its cached work stays in {home.data}" in text
 
@@ -127,7 +151,7 @@ def test_now_is_the_second_signal_once_the_first_was_taken(home):
 def test_a_volunteer_still_leaving_at_the_timeout_is_left_to_it_and_said(home):
     proc = stand_in(home, "stubborn")
     try:
-        code, text = said(lambda c: leave(home, timeout_s=1.0, console=c))
+        code, text = said(lambda c: withdraw(home, timeout_s=1.0, console=c))
         assert code == EXIT_FAILED and proc.poll() is None and signals(home) == 1, text
         assert "is still leaving after 1 s" in text and "fedrl volunteer leave --now" in text
     finally:
@@ -137,7 +161,7 @@ def test_a_volunteer_still_leaving_at_the_timeout_is_left_to_it_and_said(home):
 
 def test_a_volunteer_that_exits_without_leaving_cleanly_is_reported(home):
     proc = stand_in(home, "crash")
-    code, text = said(lambda c: leave(home, console=c))
+    code, text = said(lambda c: withdraw(home, console=c))
     assert proc.wait(10) == 1 and code == EXIT_FAILED, text
     assert "exited without leaving cleanly" in text and str(home.logs) in text
 

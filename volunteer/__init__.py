@@ -4,11 +4,17 @@
     join(load_invite("invite.txt"), limits=Limits(max_cpu=2, upload_kbps=2000), on_exit="flush")
 
 `join` enrolls the node's key, probes the hardware, runs a SuperNode within the limits and
-returns 0 after a clean withdrawal (Ctrl-C, SIGTERM, or `until`). See fedrl.volunteer.session.
+returns 0 after a clean withdrawal (Ctrl-C, SIGTERM, `until`, or `leave` from another process).
+See fedrl.volunteer.session and fedrl.volunteer.withdrawal.
 """
 
-__all__ = ["Limits", "join", "load_invite"]
-_FROM = {"Limits": "fedrl.volunteer.probe", "join": "fedrl.volunteer.session", "load_invite": "fedrl.invite"}
+__all__ = ["Limits", "join", "leave", "load_invite"]
+_FROM = {
+    "Limits": "fedrl.volunteer.probe",
+    "join": "fedrl.volunteer.session",
+    "leave": "fedrl.volunteer.withdrawal",
+    "load_invite": "fedrl.invite",
+}
 
 
 def __getattr__(name: str):

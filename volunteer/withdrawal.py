@@ -1,4 +1,5 @@
-"""`fedrl volunteer leave`: withdraw the volunteer that runs for a federation, from any shell.
+"""`fedrl volunteer leave` and the SDK's `leave`: withdraw the volunteer that runs for a
+federation, from any shell or program (another process than the one running `join`).
 
 It asks the running `fedrl volunteer join` to leave as a first Ctrl-C would (SIGTERM: finish or
 abandon the round as its `--on-exit` says, hand in the delta, wait for the coordinator's
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import psutil
 from rich.console import Console
 
+from fedrl.invite import Invite
 from fedrl.live_line import LiveLine
 from fedrl.node_files import LEAVE
-from fedrl.volunteer.home import VolunteerHome
+from fedrl.volunteer.home import VolunteerHome, resolve_invite
 from fedrl.volunteer.node_status import EXIT_FAILED, EXIT_OK, how_it_left, read_status
 
 POLL_S = 0.2
@@ -26,6 +29,22 @@ LEAVE_TIMEOUT_S = 600.0  # longer than a withdrawal waits for its round (Session
 
 
 def leave(
+    invite: Invite | str | None = None,
+    home: str | Path | None = None,
+    now: bool = False,
+    timeout_s: float = LEAVE_TIMEOUT_S,
+    console: Console | None = None,
+) -> int:
+    """Withdraw the volunteer that `join` runs for `invite` (an Invite, a path or the
+    fedrl-invite:... string; None: the one federation this machine joined) on `home` (as `join`
+    was given it); the exit status, 0 when it left or none ran. InviteError when there is no
+    such invite."""
+    if not isinstance(invite, Invite):
+        invite = resolve_invite(invite, home)
+    return withdraw(VolunteerHome.for_run(invite.run, home), now, timeout_s, console)
+
+
+def withdraw(
     home: VolunteerHome, now: bool = False, timeout_s: float = LEAVE_TIMEOUT_S, console: Console | None = None
 ) -> int:
     """Withdraw the volunteer running on `home`; the exit status (0: it left, or none ran)."""
