@@ -169,7 +169,7 @@ def cmd_deploy(args) -> int:
     if args.where == "node":
         from fedrl.deploy.services import node
 
-        node(args.superlink, Path(args.certs), Path(args.home))
+        node(args.superlink, Path(args.certs), Path(args.home), args.max_threads)
         return 0
     if args.where == "submit":
         from fedrl.deploy.services import submit
@@ -202,7 +202,9 @@ def cmd_deploy(args) -> int:
             latest = f"v{int(saved[-1].stem.removeprefix('ckpt-'))}" if saved else "none yet"
             line.show(f"run {run_id}: {status}, last checkpoint {latest}")
 
-        status = deployment.federation.wait_run(run_id, args.timeout, status_line)
+        status = deployment.federation.wait_run(
+            run_id, args.timeout, status_line, deployment.run_dir / "events.jsonl"
+        )
         line.show(f"run {run_id}: {status}")
         line.done()
         if status != "finished:completed":  # its summary, if any, is an earlier run's
@@ -463,6 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", default="/var/lib/fedrl/node", help="node/submit: own keys and flwr profile")
     p.add_argument(
         "--nodes", type=integer(0), default=3, help="number of SuperNodes (local: 0 with --volunteers)"
+    )
+    p.add_argument(
+        "--max-threads",
+        type=integer(0),
+        default=0,
+        help="node: the learner's CPU threads (default 0: every core; several nodes on one host share "
+        "them: give each cores / nodes, as `local` does)",
     )
     p.add_argument("--dir", default="runs/deploy-local", help="certs, logs, state and results go here")
     p.add_argument("--port", type=PORT, default=0, help="the SuperLink's port (default: a free one)")

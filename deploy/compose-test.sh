@@ -46,7 +46,8 @@ docker build --network host -t fedrl-prometheus:compose-test -f deploy/prometheu
   --build-arg BASE_IMAGE="$BASE" . | tail -n 1
 
 WORK=$(mktemp -d)
-export FEDRL_TAG=compose-test FEDRL_CERTS="$WORK/certs" NODES RUN_CONFIG RUN_TIMEOUT=900
+NODE_THREADS=$(( $(nproc) / NODES > 0 ? $(nproc) / NODES : 1 ))  # the nodes share this host's cores
+export FEDRL_TAG=compose-test FEDRL_CERTS="$WORK/certs" NODES NODE_THREADS RUN_CONFIG RUN_TIMEOUT=900
 export BIND_HOST=127.0.0.1 SUPERLINK_ADDR=127.0.0.1 STORE_ADDR=127.0.0.1 COORDINATOR_ADDR=127.0.0.1
 SUPERLINK_PORT=$(free_port) STORE_PORT=$(free_port) MONITOR_PORT=$(free_port) PROMETHEUS_PORT=$(free_port)
 export SUPERLINK_PORT STORE_PORT MONITOR_PORT PROMETHEUS_PORT SCRAPE_INTERVAL=1s

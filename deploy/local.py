@@ -204,6 +204,12 @@ class LocalDeployment:
         saying so if it had died (`LauncherKeeper.ensure`)."""
         return self.launcher.ensure()
 
+    def node_threads(self) -> int:
+        """The learner threads of each SuperNode: this machine's cores shared among them. With
+        torch's default (every core each), nodes that train at the same time oversubscribe the
+        cores and OpenMP's threads spin in their waits."""
+        return max(1, len(os.sched_getaffinity(0)) // max(1, self.num_nodes))
+
     def node_dir(self, i: int) -> Path:
         return self.state / self.node_name(i)
 
@@ -212,7 +218,8 @@ class LocalDeployment:
         name = self.node_name(i)
         self.node_dir(i).mkdir(parents=True, exist_ok=True)
         self.keep_launcher()
-        node_config = f'ca-file="{self.certs / "ca.pem"}" state-dir="{self.node_dir(i)}"'
+        node_config = f'ca-file="{self.certs / "ca.pem"}" state-dir="{self.node_dir(i)}" '
+        node_config += f"max-threads={self.node_threads()}"
         self.start(
             name,
             [tool("fedrl"), "supernode", "--superlink", f"{self.host}:{self.superlink_port}"]

@@ -25,8 +25,9 @@ from fedrl.deploy.warm_clientapp import exec_with_launcher
 from fedrl.ports import free_port
 
 
-def node(superlink: str, certs: Path, home: Path, timeout_s: float = 300.0) -> None:
-    """Register this node's key and exec `flower-supernode` (never returns on success)."""
+def node(superlink: str, certs: Path, home: Path, max_threads: int = 0, timeout_s: float = 300.0) -> None:
+    """Register this node's key and exec `flower-supernode` (never returns on success);
+    `max_threads`: the learner's (0: torch's default, every core)."""
     identity = home / "name"
     if not identity.exists():
         home.mkdir(parents=True, exist_ok=True)
@@ -44,7 +45,7 @@ def node(superlink: str, certs: Path, home: Path, timeout_s: float = 300.0) -> N
                 raise DeployError(f"{name}: could not register with {superlink}: {err}") from None
             time.sleep(2)
     print(f"{name}: registered key ...{public.read_text().split()[1][-16:]} with {superlink}", flush=True)
-    node_config = f'ca-file="{certs / "ca.pem"}" state-dir="{home / "state"}"'
+    node_config = f'ca-file="{certs / "ca.pem"}" state-dir="{home / "state"}" max-threads={max_threads}'
     args = ["--superlink", superlink, "--root-certificates", str(certs / "ca.pem")]
     args += ["--auth-supernode-private-key", str(key), "--port", str(free_port())]
     args += ["--node-config", node_config]
@@ -65,9 +66,10 @@ def submit(superlink: str, certs: Path, home: Path, nodes: int, config: dict, ti
             seen.add(status)
             print(f"run {run_id}: {status}", flush=True)
 
-    status = federation.wait_run(run_id, timeout_s, changed)
+    out_dir = Path(config.get("out-dir", ""))  # the results volume, mounted here too
+    status = federation.wait_run(run_id, timeout_s, changed, out_dir / "events.jsonl")
     print(f"run {run_id}: {status}", flush=True)
-    summary_path = Path(config.get("out-dir", "")) / "summary.json"
+    summary_path = out_dir / "summary.json"
     if status != "finished:completed" or not summary_path.exists():
         print(f"no completed run with a summary at {summary_path}", flush=True)
         return 1

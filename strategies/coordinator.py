@@ -107,6 +107,15 @@ def wire_bytes(msg: Message) -> int:
     return message_to_proto(msg).ByteSize()
 
 
+def idle_wait_s(quiet_s: float) -> float:
+    """How long the loop sleeps when no reply is due, `quiet_s` seconds after the last reply came or
+    message went: 20 ms at first, then a tenth of the quiet so far, at most half a second. A reply
+    is noticed within about a tenth of its wait, and a deployment's SuperLink, for which each pull
+    is an RPC, is asked a few times a second instead of fifty (the SuperLink of `fedrl deploy
+    local --nodes 2 --set versions=8` used 17.5 s of CPU in 87 s at a steady 20 ms; 9.4 s at 0.2 s)."""
+    return min(0.5, max(0.02, quiet_s / 10))
+
+
 class Rejected(ValueError):
     """An upload that is refused, with a short cause (a metrics label) beside the reason."""
 
@@ -252,6 +261,7 @@ class Coordinator:
         self.last_refresh = float("-inf")
         self.started_at = time.time()  # wall clock, so a deployment's logs can be lined up with events
         self.wall_start = time.monotonic()  # max_wall_s counts from here
+        self.quiet_since = self.wall_start  # the last reply pulled or message sent (idle_wait_s)
         # what the run's earlier lives spent (a resumed run): its records count from the run's start
         self.earlier = dict.fromkeys(SPENT, 0) | {"messages": 0, "time_s": 0.0, "wall_s": 0.0}
 
@@ -548,6 +558,7 @@ class Coordinator:
             if action == "train" and block >= 0:
                 self.scheduler.release(block)
             return
+        self.quiet_since = time.monotonic()
         self.in_flight[msg_id] = Dispatch(
             node,
             block,
@@ -925,6 +936,8 @@ class Coordinator:
         if not waiting:
             return 0
         replies = list(self.grid.pull_messages(waiting))
+        if replies:
+            self.quiet_since = time.monotonic()
         for reply in replies:
             msg_id = reply.metadata.reply_to_message_id
             d = self.in_flight.get(msg_id)
@@ -949,6 +962,14 @@ class Coordinator:
         if due is None and self.pull():
             due = self.clock.next_due()
         return due
+
+    def handle_next_reply(self) -> None:
+        """Handle the next reply due, or wait a little (idle_wait_s) when there is none."""
+        due = self.next_reply()
+        if due is None:
+            time.sleep(idle_wait_s(time.monotonic() - self.quiet_since))
+        else:
+            self.handle(*due)
 
     # ------------------------------------------------------------------ the loop
 
@@ -981,11 +1002,7 @@ class Coordinator:
             busy = {d.node for d in self.in_flight.values()}
             for node in sorted(self.members.present - busy - self.unavailable - set(self.resting)):
                 self.dispatch(node)
-        due = self.next_reply()
-        if due is None:
-            time.sleep(0.02)
-        else:
-            self.handle(*due)
+        self.handle_next_reply()
         if self.cfg.sync and round_open and not self.in_flight:
             self.aggregate()
             round_open = False
@@ -1039,11 +1056,7 @@ class Coordinator:
         """Handle every reply still due; each message's watchdog bounds the wait."""
         while self.in_flight:
             self.expire_overdue()
-            due = self.next_reply()
-            if due is None:
-                time.sleep(0.02)
-            else:
-                self.handle(*due)
+            self.handle_next_reply()
 
     def finish(self, initial: float, final: float, final_set: dict | None = None) -> dict:
         self.adapter.part.set_all(self.adapter.lm.model, self.global_state)

@@ -1,10 +1,14 @@
 """The deployment's pieces that need no running service: the app's run config, certificates
 and node keys, and the clear errors of bad input (unknown keys, busy ports, missing files)."""
 
+import json
+import os
 import socket
 import ssl
 import subprocess
 import sys
+import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -15,7 +19,14 @@ from cryptography.hazmat.primitives import serialization
 
 from fedrl.certs import make_deployment_credentials, make_node_key, make_server_cert
 from fedrl.cli.main import build_parser
-from fedrl.deploy.federation import DeployError, Federation, app_config, failure_of, run_config
+from fedrl.deploy.federation import (
+    STATUS_EVERY_S,
+    DeployError,
+    Federation,
+    app_config,
+    failure_of,
+    run_config,
+)
 from fedrl.ports import check_port_free
 from fedrl.strategies.run_config import RunConfig
 
@@ -163,3 +174,64 @@ An unhandled exception occurred in the ServerApp.
         "fedrl.schema.SchemaError: "
     )
     assert failure_of("INFO : Start `flwr-serverapp` process\n") == ""
+
+
+def test_waiting_for_a_run_asks_the_superlink_rarely_and_sees_the_end_in_its_events(tmp_path):
+    """`flwr ls` costs about a CPU-second: asked once, then not again until the run's events say
+    the coordinator finished (an earlier run's end, in the file before the run started it
+    afresh, does not count); without the events the end would be seen at the next ask."""
+    (tmp_path / "ca.pem").write_text("not read here")
+    events = tmp_path / "events.jsonl"
+    events.write_text((json.dumps({"kind": "finished", "wall": time.time() - 60}) + "\n") * 3)
+    asked, ended = [], threading.Event()
+
+    class Watched(Federation):
+        def run_status(self, run_id):
+            asked.append(time.monotonic())
+            return "finished:completed" if ended.is_set() else "running"
+
+    def finish() -> None:  # the new run's file: a start, then the coordinator's last event
+        events.write_text(json.dumps({"kind": "started", "wall": time.time()}) + "\n")
+        with events.open("a") as f:
+            f.write(json.dumps({"kind": "finished", "wall": time.time()}) + "\n")
+        ended.set()
+
+    seen = []
+    threading.Timer(1.5, finish).start()
+    start = time.monotonic()
+    status = Watched(tmp_path / "flwr", "127.0.0.1:9", tmp_path / "ca.pem").wait_run(
+        7, 60, seen.append, events
+    )
+    assert status == "finished:completed" and len(asked) == 2, asked
+    assert asked[1] - start < STATUS_EVERY_S - 2  # seen in the events, not at the next ask
+    assert seen and set(seen) == {"running"}  # progress every second in between
+
+
+def test_a_local_deployments_nodes_share_the_cores_and_a_clientapp_keeps_to_its_threads(tmp_path):
+    """Two nodes of `fedrl deploy local --nodes 2` with torch's default threads (every core each)
+    trained 10-18x slower on 2 cores than with one each: OpenMP's threads spun in their waits."""
+    import torch
+    from fake_grid import FakeGrid, small_config
+
+    from fedrl.clients.client_app import app as client_app
+    from fedrl.deploy.local import LocalDeployment
+    from fedrl.strategies.coordinator import run_coordinator
+
+    cores = len(os.sched_getaffinity(0))
+    assert LocalDeployment(tmp_path / "d", nodes=2).node_threads() == max(1, cores // 2)
+    assert LocalDeployment(tmp_path / "d", nodes=3 * cores).node_threads() == 1
+    threads = []
+
+    def script(node, msg, reply):  # right after the node's ClientApp returned, in this process
+        threads.append(torch.get_num_threads())
+        return reply
+
+    grid = FakeGrid(1, client_app, script)
+    grid.contexts[1].node_config["max-threads"] = 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_coordinator(grid, small_config(tmp_path, min_nodes=1, versions=1, buffer_size=1, sync=False))
+    finally:
+        torch.set_num_threads(before)
+    assert threads and set(threads) == {1}, threads

@@ -148,7 +148,10 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     assert deployment.federation.run_status(run_id) != "finished:completed"
 
     run_id = deployment.submit(**config)  # Flower cannot resume a run: a new one resumes the state
-    assert deployment.federation.wait_run(run_id, 600) == "finished:completed"
+    assert (
+        deployment.federation.wait_run(run_id, 600, events=deployment.run_dir / "events.jsonl")
+        == "finished:completed"
+    )
     summary = json.loads((out / "summary.json").read_text())
     resumed = [e for e in summary["events"] if e["kind"] == "resumed"]
     assert resumed and resumed[0]["from_version"] == kept_version  # nothing lost but the round in flight
@@ -172,6 +175,9 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     # reason readable from the run's log (`fedrl deploy local` prints it)
     kept = (out / "summary.json").read_bytes()
     run_id = deployment.submit(**config)
-    assert deployment.federation.wait_run(run_id, 300) == "finished:failed"
+    assert (
+        deployment.federation.wait_run(run_id, 300, events=deployment.run_dir / "events.jsonl")
+        == "finished:failed"
+    )
     assert "finished at v" in failure_of(deployment.federation.run_log(run_id))
     assert (out / "summary.json").read_bytes() == kept

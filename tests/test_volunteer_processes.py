@@ -155,7 +155,10 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
         assert f"(pid {b.proc.pid}) left the federation cleanly (left, " in left.stdout, left.stdout
         assert b.proc.wait(30) == 0, b.log()[-2000:]
         a.join()  # it holds its last version on disk
-        assert deployment.federation.wait_run(run_id, 500) == "finished:completed"
+        assert (
+            deployment.federation.wait_run(run_id, 500, events=deployment.run_dir / "events.jsonl")
+            == "finished:completed"
+        )
         # the coordinator told A the run was over: withdrawing now waits for nothing
         wait_for(lambda: a.status().get("run_over"), 30, "A told the run is over")
         a.proc.send_signal(signal.SIGINT)
