@@ -209,7 +209,8 @@ def test_waiting_for_a_run_asks_the_superlink_rarely_and_sees_the_end_in_its_eve
 
 def test_a_local_deployments_nodes_share_the_cores_and_a_clientapp_keeps_to_its_threads(tmp_path):
     """Two nodes of `fedrl deploy local --nodes 2` with torch's default threads (every core each)
-    trained 10-18x slower on 2 cores than with one each: OpenMP's threads spun in their waits."""
+    trained 10-18x slower on 2 cores than with one each: OpenMP's threads spun in their waits. The
+    coordinator gets the cores the nodes leave."""
     import torch
     from fake_grid import FakeGrid, small_config
 
@@ -218,8 +219,18 @@ def test_a_local_deployments_nodes_share_the_cores_and_a_clientapp_keeps_to_its_
     from fedrl.strategies.coordinator import run_coordinator
 
     cores = len(os.sched_getaffinity(0))
-    assert LocalDeployment(tmp_path / "d", nodes=2).node_threads() == max(1, cores // 2)
-    assert LocalDeployment(tmp_path / "d", nodes=3 * cores).node_threads() == 1
+    for nodes in range(3 * cores + 1):  # the nodes' threads within the cores (one each where too
+        d = LocalDeployment(tmp_path / "d", nodes=nodes)  # few), the coordinator's what they leave
+        assert nodes * d.node_threads() <= max(cores, nodes) and d.node_threads() >= 1, nodes
+        assert d.server_threads() == max(1, cores - nodes * d.node_threads()), nodes
+    assert LocalDeployment(tmp_path / "d", nodes=1).node_threads() == cores  # one node: every core
+    # a service started with threads has them in OMP_NUM_THREADS (the SuperLink, for its ServerApp)
+    d = LocalDeployment(tmp_path / "d", nodes=2)
+    d.logs.mkdir(parents=True, exist_ok=True)
+    d.start("omp", [sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"], threads=3).wait(
+        30
+    )
+    assert (d.logs / "omp.log").read_text().strip() == "3"
     threads = []
 
     def script(node, msg, reply):  # right after the node's ClientApp returned, in this process
