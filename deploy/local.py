@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from fedrl.certs import make_ca, make_node_key, make_server_cert
+from fedrl.cores import usable_cores
 from fedrl.credentials import load_or_create_secret
 from fedrl.deploy.federation import DeployError, Federation, app_config, run_config, tool
 from fedrl.deploy.supernode_timing import HEARTBEAT_S
@@ -212,13 +213,13 @@ class LocalDeployment:
         """The learner threads of each SuperNode: this machine's cores shared among them. With
         torch's default (every core each), nodes that train at the same time oversubscribe the
         cores and OpenMP's threads spin in their waits."""
-        return max(1, len(os.sched_getaffinity(0)) // max(1, self.num_nodes))
+        return max(1, usable_cores() // max(1, self.num_nodes))
 
     def server_threads(self) -> int:
         """The coordinator's torch threads (its held-out evaluations): the cores its nodes leave,
         at least one (`fedrl deploy local --nodes 2 --set versions=8` on 2 cores: the ServerApp's
         CPU 10.9-11.4 s with two, 8.6 s with one)."""
-        return max(1, len(os.sched_getaffinity(0)) - self.num_nodes * self.node_threads())
+        return max(1, usable_cores() - self.num_nodes * self.node_threads())
 
     def node_dir(self, i: int) -> Path:
         return self.state / self.node_name(i)

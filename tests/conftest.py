@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from fedrl.cores import usable_cores
+
 
 def pytest_configure(config):
     # pytest-xdist runs the suite on every core and one worker more (pyproject's addopts, and
@@ -23,8 +25,7 @@ def pytest_xdist_auto_num_workers(config):
     suite, with one more 13 s of 343 s. `PYTEST_XDIST_AUTO_NUM_WORKERS` still decides where set."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
-    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return len(usable) + 1  # (macOS has no sched_getaffinity)
+    return usable_cores() + 1  # (macOS has no sched_getaffinity: every core)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,6 @@
 and node keys, and the clear errors of bad input (unknown keys, busy ports, missing files)."""
 
 import json
-import os
 import socket
 import ssl
 import subprocess
@@ -215,10 +214,11 @@ def test_a_local_deployments_nodes_share_the_cores_and_a_clientapp_keeps_to_its_
     from fake_grid import FakeGrid, small_config
 
     from fedrl.clients.client_app import app as client_app
+    from fedrl.cores import usable_cores
     from fedrl.deploy.local import LocalDeployment
     from fedrl.strategies.coordinator import run_coordinator
 
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     for nodes in range(3 * cores + 1):  # the nodes' threads within the cores (one each where too
         d = LocalDeployment(tmp_path / "d", nodes=nodes)  # few), the coordinator's what they leave
         assert nodes * d.node_threads() <= max(cores, nodes) and d.node_threads() >= 1, nodes
