@@ -219,17 +219,16 @@ def test_a_local_deployments_nodes_share_the_cores_and_a_clientapp_keeps_to_its_
     from fedrl.strategies.coordinator import run_coordinator
 
     cores = usable_cores()
-    for nodes in range(3 * cores + 1):  # the nodes' threads within the cores (one each where too
-        d = LocalDeployment(tmp_path / "d", nodes=nodes)  # few), the coordinator's what they leave
+    # the nodes' threads within the cores (one each where there are too few), the coordinator's the rest
+    for nodes in sorted({0, 1, 2, cores, cores + 1, 3 * cores}):
+        d = LocalDeployment(tmp_path / "d", nodes=nodes)
         assert nodes * d.node_threads() <= max(cores, nodes) and d.node_threads() >= 1, nodes
         assert d.server_threads() == max(1, cores - nodes * d.node_threads()), nodes
     assert LocalDeployment(tmp_path / "d", nodes=1).node_threads() == cores  # one node: every core
     # a service started with threads has them in OMP_NUM_THREADS (the SuperLink, for its ServerApp)
     d = LocalDeployment(tmp_path / "d", nodes=2)
-    d.logs.mkdir(parents=True, exist_ok=True)
-    d.start("omp", [sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"], threads=3).wait(
-        30
-    )
+    omp = [sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"]
+    d.start("omp", omp, threads=3).wait(30)
     assert (d.logs / "omp.log").read_text().strip() == "3"
     threads = []
 
