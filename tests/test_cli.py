@@ -165,32 +165,19 @@ def test_service_commands_answer_without_importing_torch(tmp_path):
     make_ca(tmp_path)
     load_or_create_secret(tmp_path / "secret")
     store = ("--store-url", "https://127.0.0.1:9", "--ca-file", str(tmp_path / "ca.pem"))
+    secret, none = ("--secret-file", str(tmp_path / "secret")), str(tmp_path / "none")
     invite = tmp_path / "invite.txt"
+    link = ("--superlink", "127.0.0.1:9")
     for args, code, said in (
         (
-            (
-                "invite",
-                "--run",
-                "r",
-                "--superlink",
-                "127.0.0.1:9",
-                *store,
-                "--secret-file",
-                str(tmp_path / "secret"),
-            )
-            + ("--out", str(invite), "--set", "lr=0.001"),
+            ("invite", "--run", "r", *link, *store, *secret, "--out", str(invite), "--set", "lr=0.001"),
             0,
             "invite for run 'r' written",
         ),
-        (("patch-store", "--secret-file", str(tmp_path / "none")), 2, "cannot read the secret file"),
-        (
-            ("approve", "--superlink", "127.0.0.1:9", *store[:2], "--ca-file", str(tmp_path / "none"))
-            + ("--secret-file", str(tmp_path / "secret")),
-            2,
-            "not found",
-        ),
+        (("patch-store", "--secret-file", none), 2, "cannot read the secret file"),
+        (("approve", *link, *store[:2], "--ca-file", none, *secret), 2, "not found"),
         (("deploy", "submit", "--certs", str(tmp_path), "--set", "bogus=1"), 2, "unknown run config keys"),
-        (("deploy", "node", "--certs", str(tmp_path / "none")), 2, "not found"),
+        (("deploy", "node", "--certs", none), 2, "not found"),
     ):
         rc, heavy, text = run_main_light(*args)
         assert (rc, heavy) == (code, []) and said in text, (args, rc, heavy, text)
