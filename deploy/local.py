@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from fedrl.certs import make_ca, make_node_key, make_server_cert
-from fedrl.cores import usable_cores
+from fedrl.cores import thread_env, usable_cores
 from fedrl.credentials import load_or_create_secret
 from fedrl.deploy.federation import DeployError, Federation, app_config, run_config, tool
 from fedrl.deploy.supernode_timing import HEARTBEAT_S
@@ -134,7 +134,7 @@ class LocalDeployment:
     def start(
         self, name: str, argv: list[str], port: int | None = None, threads: int = 0
     ) -> subprocess.Popen:
-        """Start a service (`threads`: its torch threads, through OMP_NUM_THREADS; 0: the default)."""
+        """Start a service (`threads`: its torch threads, see `thread_env`; 0: the default)."""
         if name in self.procs and self.procs[name].poll() is None:
             raise DeployError(f"{name} is already running (pid {self.procs[name].pid})")
         if port is not None:
@@ -147,7 +147,7 @@ class LocalDeployment:
             argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=self.federation.env() | ({"OMP_NUM_THREADS": str(threads)} if threads else {}),
+            env=self.federation.env() | thread_env(threads),
             cwd=self.root,
             start_new_session=True,
         )

@@ -227,9 +227,13 @@ def test_a_local_deployments_nodes_share_the_cores_and_a_clientapp_keeps_to_its_
     assert LocalDeployment(tmp_path / "d", nodes=1).node_threads() == cores  # one node: every core
     # a service started with threads has them in OMP_NUM_THREADS (the SuperLink, for its ServerApp)
     d = LocalDeployment(tmp_path / "d", nodes=2)
-    omp = [sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"]
+    omp = [
+        sys.executable,
+        "-c",
+        "import os; print(os.environ['OMP_NUM_THREADS'], os.environ['MKL_NUM_THREADS'])",
+    ]
     d.start("omp", omp, threads=3).wait(30)
-    assert (d.logs / "omp.log").read_text().strip() == "3"
+    assert (d.logs / "omp.log").read_text().strip() == "3 3"
     threads = []
 
     def script(node, msg, reply):  # right after the node's ClientApp returned, in this process

@@ -34,6 +34,7 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
+from fedrl.cores import thread_env
 from fedrl.deploy.federation import flwr_env, tool
 from fedrl.deploy.local import stop_groups
 from fedrl.deploy.supernode_timing import HEARTBEAT_RANGE, HEARTBEAT_S
@@ -263,7 +264,7 @@ class Session:
         """A process of the node (the SuperNode, the launcher): in a process group of its own,
         within the volunteer's limits, its output in the node's log."""
         threads = self.limits.threads()
-        env = flwr_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        env = flwr_env(**thread_env(threads))
         cpus = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else None
         with open(self.log_path(), "ab") as log:
             return subprocess.Popen(
