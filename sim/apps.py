@@ -15,6 +15,7 @@ from fedrl.clients.client_app import make_client_app
 from fedrl.sim.report import write_report
 from fedrl.sim.simulated_client import simulated_client
 from fedrl.sim.simulated_server import SimConfig, run_simulated, split_config
+from fedrl.strategies.progress_log import ProgressLog, finished_line, log, start_log
 from fedrl.strategies.run_config import RunConfig
 
 client_app = make_client_app(mods=[simulated_client])
@@ -24,18 +25,24 @@ def make_server_app(
     cfg: RunConfig | None = None, sim: SimConfig | None = None, progress=None, results: list | None = None
 ) -> ServerApp:
     """Bound to `cfg` and `sim` (`fedrl sim`), or reading Flower's run config (`flwr run`),
-    in which case it also writes the report."""
+    in which case it also logs its progress and writes the report."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
+        if cfg is None:
+            start_log()
         run_cfg, sim_cfg = (cfg, sim) if cfg is not None else split_config(context.run_config)
         run_cfg = run_cfg.in_run(context.run_id)
-        summary = run_simulated(grid, run_cfg, sim_cfg or SimConfig(), progress)
+        hook = progress if cfg is not None else ProgressLog()
+        summary = run_simulated(grid, run_cfg, sim_cfg or SimConfig(), hook)
         if results is not None:
             results.append(summary)
         else:
-            write_report(summary, Path(run_cfg.out_dir))
+            out = Path(run_cfg.out_dir)
+            write_report(summary, out)
+            files = f"report {out / 'report.html'}, adapter {summary['adapter_dir']}"
+            log.info(finished_line(summary, files))
 
     return app
 

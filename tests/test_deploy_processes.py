@@ -153,6 +153,10 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
         == "finished:completed"
     )
     summary = json.loads((out / "summary.json").read_text())
+    # its log (`flwr log`, what `--stream` shows) says how it went and where the results are
+    log = deployment.federation.run_log(run_id)
+    assert "fedrl: version 4 of 4: held-out error" in log, log[-3000:]  # evals every 2nd
+    assert f"in {summary['versions']} versions" in log and f"summary in {out / 'summary.json'}" in log
     resumed = [e for e in summary["events"] if e["kind"] == "resumed"]
     assert resumed and resumed[0]["from_version"] == kept_version  # nothing lost but the round in flight
     assert summary["versions"] >= 4 and summary["counts"]["rejected"] == 0
