@@ -41,7 +41,11 @@ def make_server_app(
         else:
             out = Path(run_cfg.out_dir)
             write_report(summary, out)
-            files = f"report {out / 'report.html'}, adapter {summary['adapter_dir']}"
+            # absolute: a relative out-dir is the SuperLink's working directory's, which `flwr run`
+            # keeps from the first run it started the SuperLink for
+            files = (
+                f"report {out.resolve() / 'report.html'}, adapter {Path(summary['adapter_dir']).resolve()}"
+            )
             log.info(finished_line(summary, files))
 
     return app

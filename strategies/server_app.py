@@ -26,7 +26,7 @@ def make_server_app(cfg: RunConfig | None = None, progress=None, results: list |
         if results is not None:
             results.append(summary)
         if cfg is None:
-            log.info(finished_line(summary, f"summary in {Path(config.out_dir) / 'summary.json'}"))
+            log.info(finished_line(summary, f"summary in {Path(config.out_dir).resolve() / 'summary.json'}"))
 
     return app
 
