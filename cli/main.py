@@ -154,7 +154,8 @@ def supernode(supernode_args: list[str]) -> int:
     )
     timing, flower_args = split_args(rest)
     launcher = WarmLauncher.running_at(args.warm_launcher) if args.warm_launcher else None
-    exec_with_launcher(supernode_argv(flower_args, timing.poll_s, timing.heartbeat_s), flwr_env(), launcher)
+    argv = supernode_argv(flower_args, timing.poll_s, timing.heartbeat_s, timing.parent_pid)
+    exec_with_launcher(argv, flwr_env(), launcher)
     return 1  # not reached: the process is the SuperNode now
 
 

@@ -22,6 +22,7 @@ import sys
 import time
 
 from fedrl.arguments import number
+from fedrl.deploy.parent_watch import interrupt_when_orphaned
 
 POLL_S = 1.0  # Flower's SuperExec asks this often by default; its SuperNode, every 3 s
 HEARTBEAT_S = 30.0  # Flower's: a killed node is let go after 2 x this
@@ -66,10 +67,15 @@ def apply(poll_s: float, heartbeat_s: float) -> str:
 
 
 def supernode_argv(
-    flower_args: list[str], poll_s: float = POLL_S, heartbeat_s: float = HEARTBEAT_S
+    flower_args: list[str],
+    poll_s: float = POLL_S,
+    heartbeat_s: float = HEARTBEAT_S,
+    parent_pid: int | None = None,
 ) -> list[str]:
-    """The command that runs `flower-supernode FLOWER_ARGS` with these timings."""
+    """The command that runs `flower-supernode FLOWER_ARGS` with these timings (and, given
+    `parent_pid`, only as long as that process runs)."""
     timing = ["--poll-s", f"{poll_s:g}", "--heartbeat-s", f"{heartbeat_s:g}"]
+    timing += ["--parent-pid", str(parent_pid)] if parent_pid else []
     return [sys.executable, "-m", "fedrl.deploy.supernode_timing", *timing, "--", *flower_args]
 
 
@@ -89,6 +95,13 @@ def timing_parser(**kwargs) -> argparse.ArgumentParser:
         help="the node's heartbeat interval, 10-1800 s: the SuperLink lets a killed node go after "
         "twice this, and its restart cannot connect before",
     )
+    parser.add_argument(
+        "--parent-pid",
+        type=number(int, 1),
+        default=None,
+        help="the pid of the process that starts this SuperNode: once that process is gone the "
+        "SuperNode stops as on Ctrl-C (a volunteer's session passes its own; fedrl.deploy.parent_watch)",
+    )
     return parser
 
 
@@ -103,6 +116,8 @@ def main() -> None:
     refused = apply(timing.poll_s, timing.heartbeat_s)
     if refused:
         print(f"fedrl supernode: {refused}; running with Flower's own timing", file=sys.stderr, flush=True)
+    if timing.parent_pid:
+        interrupt_when_orphaned(timing.parent_pid)
     from flwr.supernode.cli import flower_supernode
 
     sys.argv = ["flower-supernode", *flower_args]

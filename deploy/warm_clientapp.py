@@ -43,6 +43,7 @@ from pathlib import Path
 import psutil
 
 from fedrl.deploy.federation import tool
+from fedrl.deploy.parent_watch import orphaned
 
 ENTRY = "flwr.supernode.cli.flwr_clientapp:flwr_clientapp"  # Flower's own `flwr-clientapp`
 PRELOAD = ("torch", "transformers", "peft", "fedrl.lora", "fedrl.clients.client_app")
@@ -315,7 +316,7 @@ def serve(socket_path: Path, entry_ref: str, preload: list[str]) -> None:
         listener.listen(16)
         os.rename(str(socket_path) + ".new", socket_path)  # appears only once it accepts
         print(f"warm ClientApp launcher ready in {time.monotonic() - started:.1f} s", flush=True)
-        while os.getppid() == parent:
+        while not orphaned(parent):
             try:
                 conn, _ = listener.accept()
             except TimeoutError:

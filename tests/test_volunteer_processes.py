@@ -10,7 +10,8 @@ each comeback, so the run cannot end before it. At the end the coordinator tells
 over, and A's withdrawal then waits for nothing.
 Limits: learner threads, the upload cap and the memory cap (the kernel's, on each process of the
 node) are kept to.
-Then a revoked key, a bad invite and an unreachable coordinator fail clearly."""
+Then a session killed outright takes its node along, and a revoked key, a bad invite and an
+unreachable coordinator fail clearly."""
 
 import io
 import json
@@ -202,6 +203,34 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
     # each comeback got the settings with its first message: none was refused for want of them
     errors = [e["reason"] for e in events if e["kind"] == "error"]
     assert not [r for r in errors if r.startswith(SETTINGS_UNKNOWN)], errors
+
+
+def test_a_session_killed_outright_takes_its_node_along(deployment):
+    """SIGKILL to the session alone (the OOM killer, a crash): its SuperNode stops as on Ctrl-C,
+    which tells the SuperLink (the node is offline at once, so the volunteer's next join can
+    connect: 5 s in a trial), and the launcher and Flower's SuperExec follow. Before, the
+    SuperNode worked on unsupervised and kept the key's session online, and the next join waited
+    on "the SuperLink still holds this node's session" for over 150 s."""
+    c = Volunteer(deployment, "c")
+    try:
+        c.join()
+        wait_for(lambda: "as node" in c.log(), 180, "C connected")
+        node, session = c.node_id(), c.proc.pid
+        node_procs = psutil.Process(session).children(recursive=True)
+        assert len(node_procs) >= 2, node_procs  # the SuperNode and the launcher, at least
+        os.kill(session, signal.SIGKILL)
+        c.proc.wait(30)
+        wait_for(lambda: not [p for p in node_procs if running(p)], 60, "C's node processes gone")
+        assert deployment.federation.node_status()[node] == "offline"
+    finally:
+        c.kill()
+
+
+def running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_revoked_key_is_refused_clearly(deployment):

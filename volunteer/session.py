@@ -256,6 +256,7 @@ class Session:
         argv += ["--port", str(free_port()), "--node-config", self.node_config()]
         argv += ["--max-retries", "5", "--max-wait-time", "60", "--heartbeat-s", f"{self.heartbeat_s:g}"]
         argv += ["--warm-launcher", str(self.launcher.warm.directory)]
+        argv += ["--parent-pid", str(os.getpid())]  # a session killed outright takes its SuperNode along
         self.log_offset = self.log_path().stat().st_size if self.log_path().exists() else 0
         self.proc = self.start_confined(argv)
         self.first_try = self.first_try or time.monotonic()
