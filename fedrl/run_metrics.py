@@ -36,6 +36,13 @@ class RunMetrics:
             if name != "rejected"
         }
         self.rejected = Counter("fedrl_rejected", "Rejected updates by cause", ["cause"], registry=r)
+        # each client's ledger (fedrl.ledger): its uploads accepted, and refused by cause
+        self.uploads = Counter(
+            "fedrl_client_uploads",
+            "A client's uploads: accepted, or the cause refused",
+            ["client", "outcome"],
+            registry=r,
+        )
         self.staleness = Histogram(
             "fedrl_update_staleness", "Staleness of accepted updates", buckets=STALENESS_BUCKETS, registry=r
         )
@@ -69,6 +76,8 @@ class RunMetrics:
             else:
                 self.totals[name].inc()
         kind = e["kind"]
+        if kind in ("accepted", "rejected"):  # an events file of before stop 73 names no client: "-"
+            self.uploads.labels(str(e.get("client", "-")), e.get("cause", "accepted")).inc()
         if kind == "eval":
             self.heldout.labels(e["metric"]).set(e["value"])
         elif kind == "accepted":

@@ -134,12 +134,13 @@ def write_html(summary: dict, out: Path, images: list[str]) -> Path:
     ]
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in figures)
     staleness = client_staleness(summary["events"])
+    ledger = summary.get("ledger", {})
     client_rows = "".join(
-        f"<tr><td>{i}</td><td>{html.escape(c.get('profile', ''))}</td><td>{c['messages']}</td>"
+        f"<tr><td>{c['client_id']}</td><td>{html.escape(c.get('profile', ''))}</td><td>{c['messages']}</td>"
         f"<td>{c['compute_s']:.1f}</td><td>{c['comm_s']:.1f}</td><td>{c['overlap_s']:.1f}</td>"
         f"<td>{c['bytes_up'] / 1e3:.0f}</td><td>{c['bytes_down'] / 1e3:.0f}</td>"
-        f"<td>{staleness.get(c['client_id'], '-')}</td></tr>"
-        for i, (_, c) in enumerate(sorted(summary["clients"].items(), key=lambda kv: int(kv[0])))
+        f"<td>{staleness.get(c['client_id'], '-')}</td>{ledger_cells(ledger.get(node))}</tr>"
+        for node, c in sorted(summary["clients"].items(), key=lambda kv: kv[1]["client_id"])
     )
     imgs = "".join(
         f'<figure><img src="{html.escape(name)}" alt="{html.escape(name)}"></figure>' for name in images
@@ -153,12 +154,25 @@ img{{max-width:520px}}</style></head><body>
 <h1>fedrl run report</h1><table>{rows}</table>
 {imgs}
 <h2>clients</h2><table><tr><th>client</th><th>profile</th><th>rounds</th><th>compute s</th><th>comm s</th>
-<th>overlap s</th><th>kB up</th><th>kB down</th><th>staleness mean / max</th></tr>{client_rows}</table>
+<th>overlap s</th><th>kB up</th><th>kB down</th><th>staleness mean / max</th><th>uploads accepted</th>
+<th>refused (cause)</th><th>errors / lost</th><th>samples credited</th></tr>{client_rows}</table>
+<p>The last four columns are the run's ledger (fedrl/ledger.py says how each is counted).</p>
 <p>Full data: <a href="summary.json">summary.json</a></p></body></html>
 """
     path = out / "report.html"
     path.write_text(page)
     return path
+
+
+def ledger_cells(row: dict | None) -> str:
+    """A client's ledger entry as table cells (none for a summary of before the ledger)."""
+    if row is None:
+        return "<td>-</td>" * 4
+    refused = ", ".join(f"{n} {cause}" for cause, n in sorted(row["refused"].items())) or "0"
+    return (
+        f"<td>{row['accepted']}</td><td>{html.escape(refused)}</td>"
+        f"<td>{row['errors']} / {row['lost']}</td><td>{row['samples']:,}</td>"
+    )
 
 
 def client_staleness(events: list[dict]) -> dict[int, str]:

@@ -40,6 +40,7 @@ from fedrl.credentials import (
 )
 from fedrl.failpoints import check_env as check_failpoint_env
 from fedrl.failpoints import failpoint
+from fedrl.ledger import ledger
 from fedrl.lora import build_adapter_model
 from fedrl.monitor import MonitorServer
 from fedrl.node_files import write_json
@@ -55,7 +56,7 @@ from fedrl.protocol import (
     split_instruction,
 )
 from fedrl.rollout import greedy_eval
-from fedrl.run_events import EventLog
+from fedrl.run_events import EventLog, read_events
 from fedrl.run_metrics import RunMetrics
 from fedrl.schema import OTHER_VERSION, SchemaError
 from fedrl.signing import load_or_create_signing_key, public_key_pem
@@ -650,6 +651,7 @@ class Coordinator:
                 "rejected",
                 ("replies", "rejected"),
                 node=d.node,
+                client=self.members.client_id(d.node),
                 cause="malformed",
                 reason=f"malformed reply: {str(err)[:240]}",
             )
@@ -860,7 +862,15 @@ class Coordinator:
                 cause = "store" if isinstance(err, StoreError) else "patch"
             self.reputation.record(client, accepted=False, cause=cause)
             fields = probe if cause in ("gate", "direction") else {}
-            self.event("rejected", ("rejected",), node=node, cause=cause, reason=str(err)[:300], **fields)
+            self.event(
+                "rejected",
+                ("rejected",),
+                node=node,
+                client=client,
+                cause=cause,
+                reason=str(err)[:300],
+                **fields,
+            )
             return cause
         finally:
             try:
@@ -872,6 +882,8 @@ class Coordinator:
             "accepted",
             ("accepted",),
             node=node,
+            client=client,
+            samples=update.num_samples,
             block=r.upload_block,
             staleness=staleness,
             steps=update.steps,
@@ -1088,6 +1100,8 @@ class Coordinator:
             "counts": self.counts,
             "evals": self.evals,
             "clients": {str(k): v for k, v in self.clients.items()},
+            # from the file: a resumed run's earlier lives are there, not in memory
+            "ledger": ledger(read_events(self.out_dir / "events.jsonl")[0]),
             "gate": {"updates_scored": self.gate.scored, "cpu_s": round(self.gate.cpu_s, 3)}
             if self.gate
             else None,

@@ -141,6 +141,11 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert resumed[0]["t"] >= carried[-1]["t"]
     assert second["rounds"] > first["rounds"] and second["bytes_up"] > first["bytes_up"]
     assert second["time_s"] > first["time_s"]
+    # so does each node's ledger: both lives' merged uploads, per node (the events file has both)
+    for node, row in second["ledger"].items():
+        lives = [first, second]
+        merged = sum(e["kind"] == "accepted" and str(e["node"]) == node for s in lives for e in s["events"])
+        assert row["accepted"] == merged and row["accepted"] > first["ledger"][node]["accepted"], node
 
 
 def test_a_checkpoint_made_with_other_settings_is_refused_before_nodes_are_awaited_and_kept(tmp_path):
@@ -540,6 +545,16 @@ def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path)
     _, _, meta = next(iter(load_checkpoints(tmp_path / "run" / "checkpoints")))
     client = next(e["client"] for e in summary["events"] if e["kind"] == "joined" and e["node"] == 1)
     assert meta["direction"]["records"][str(client)][0] == len(mine)
+    # the ledger says the same of each node: node 1's refusals by cause, the samples of what was merged
+    ledger = summary["ledger"]
+    assert ledger["1"]["refused"] == {"direction": len(refused)} and ledger["1"]["client"] == client
+    for node in (1, 2, 3):
+        merged = [e for e in summary["events"] if e["kind"] == "accepted" and e["node"] == node]
+        assert ledger[str(node)]["accepted"] == len(merged) and ledger[str(node)]["samples"] == sum(
+            e["samples"] for e in merged
+        )
+        assert ledger[str(node)]["replies"] == asked[node]  # every round answered with a report
+    assert ledger["2"]["samples"] > 0 and not ledger["2"]["refused"]
 
 
 def test_a_refused_client_is_asked_nothing_until_its_rest_is_over_on_a_virtual_clock(tmp_path):

@@ -103,6 +103,14 @@ def test_metrics_served_during_a_run_and_rebuilt_from_its_file_match_the_summary
     assert total(replayed, "fedrl_checkpoint_version") == summary["versions"]
     assert 0 <= total(replayed, "fedrl_checkpoint_age_seconds") < 600
     assert total(replayed, "fedrl_store_objects") > 0 and total(replayed, "fedrl_store_bytes") > 0
+    # each client's ledger: its uploads accepted, and refused by cause, as the summary's ledger has them
+    uploads = "fedrl_client_uploads_total"
+    for row in summary["ledger"].values():
+        client = str(row["client"])
+        assert total(replayed, uploads, client=client, outcome="accepted") == row["accepted"]
+        for cause, n in row["refused"].items():
+            assert total(replayed, uploads, client=client, outcome=cause) == n
+    assert total(replayed, uploads) == counts["accepted"] + counts["rejected"]
     seen = {lab["client"] for lab, _ in replayed["fedrl_client_last_seen_timestamp_seconds"]}
     # node 3 never answered: it is a client of the summary (messages were sent to it) but never seen
     assert seen == {str(c["client_id"]) for c in summary["clients"].values() if c["messages"]}

@@ -107,6 +107,7 @@ latency_s = 0.05
         assert (out / name).stat().st_size > 5000
     page = (out / "report.html").read_text()
     assert "staleness_histogram.png" in page and "small" in page
+    assert "<th>uploads accepted</th>" in page and "fedrl/ledger.py" in page  # each client's ledger
     # the exported adapter, evaluated with nothing but its folder: the run's final held-out error
     capsys.readouterr()
     assert main(["eval", "--adapter", summary["adapter_dir"]]) == 0

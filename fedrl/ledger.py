@@ -1,0 +1,46 @@
+"""Each node's contribution to a run, counted from the run's events alone (fedrl.run_events), so
+that `summary.json`, the report and a replayed `events.jsonl` give the same figures.
+
+Per node (keyed by node id, as the summary's `clients`), every count from one kind of event:
+  client     the client id the coordinator gave it (kept when it leaves and comes back)
+  replies    messages it answered with a report ("reply"): rounds done, whatever became of them
+  accepted   uploads merged into the global adapter ("accepted")
+  refused    uploads refused, by cause ("rejected": norm, direction, staleness, patch, ...)
+  errors     messages that came back as an error ("error": it dropped out, ran out of memory or
+             crashed, or the SuperLink could not deliver the message)
+  lost       messages with no answer before their deadline ("lost")
+  samples    rollouts behind its accepted uploads, as its reports gave them (each checked against
+             the round's maximum, max-steps x prompts x samples, before it is accepted)
+An upload travels in the reply after the round that made it (a node's comm thread pushes its
+last delta while the next round computes), and a refusal is decided when its reply is handled,
+so `accepted` + `sum(refused)` counts uploads, not replies. Bytes and seconds per node are in
+the summary's `clients` rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+COUNTED = {"reply": "replies", "accepted": "accepted", "error": "errors", "lost": "lost"}
+
+
+def entry() -> dict:
+    return {"client": None, "replies": 0, "accepted": 0, "refused": {}, "errors": 0, "lost": 0, "samples": 0}
+
+
+def ledger(events: Iterable[dict]) -> dict[str, dict]:
+    nodes: dict[str, dict] = {}
+    for e in events:
+        kind = e["kind"]
+        if "node" not in e or kind not in (*COUNTED, "rejected", "joined"):
+            continue
+        row = nodes.setdefault(str(e["node"]), entry())
+        if "client" in e:
+            row["client"] = e["client"]
+        if kind in COUNTED:
+            row[COUNTED[kind]] += 1
+        if kind == "rejected":
+            row["refused"][e["cause"]] = row["refused"].get(e["cause"], 0) + 1
+        elif kind == "accepted":
+            row["samples"] += e.get("samples", 0)
+    return nodes
