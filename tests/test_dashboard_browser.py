@@ -77,6 +77,8 @@ def test_the_dashboard_shows_a_rising_version_and_the_final_metric(tmp_path):
                 int(td) for td in page.locator("#clients tbody tr td:nth-child(4)").all_text_contents()
             )
             bars = page.evaluate("[...S.clients.values()].reduce((n, c) => n + c.rounds.length, 0)")
+            cells = page.locator("#clients tbody tr td:nth-child(13)").all_text_contents()
+            accepted = [int(td) for td in cells]
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             browser.close()
     finally:
@@ -88,4 +90,6 @@ def test_the_dashboard_shows_a_rising_version_and_the_final_metric(tmp_path):
     assert float(final) == pytest.approx(summary["final_eval"], abs=5e-4)
     assert status.startswith("finished") and rows == len(summary["clients"]) == 3
     assert rounds == bars == summary["rounds"]  # every reply in the table and on the timeline
+    # each client's uploads accepted, as the run's ledger counts them
+    assert sorted(accepted) == sorted(row["accepted"] for row in summary["ledger"].values()), accepted
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
