@@ -36,7 +36,7 @@ from fedrl.patch_routes import PatchRef
 from fedrl.protocol import NO_UPLOAD, TrainInstruction, TrainReport
 from fedrl.signing import load_public_key, verify_signed_patch
 from fedrl.sparsify import top_k_with_feedback
-from fedrl.store_client import PatchStoreClient
+from fedrl.store_client import PatchStoreClient, StoreError
 from fedrl.tasks import get_task
 
 Tensors = dict[str, torch.Tensor]
@@ -119,6 +119,11 @@ def communicate(
                         if plans is None:
                             raise
                 result.sync_patches = len(plan)
+                if runtime.shows_ledger():
+                    try:
+                        runtime.show_ledger(run(client.ledger()))
+                    except StoreError:  # a store of before the ledger, or briefly away: the last row stays
+                        pass
         finally:
             run(client.__aexit__(None, None, None))
     except Exception as err:  # handed to the compute thread, which raises it

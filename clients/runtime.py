@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from fedrl.frictions import Frictions, StalenessBuffer
 from fedrl.link import Link, RateLimitedLink
-from fedrl.node_files import leave_request
+from fedrl.node_files import leave_request, update_status
 
 
 @dataclass
@@ -100,6 +100,13 @@ class Runtime:
         """ "" while the node stays; "flush" or "drop" once its owner asked it to leave."""
         return ""
 
+    def shows_ledger(self) -> bool:
+        """Whether the node reads its ledger row every round, for an owner to see (fedrl.ledger)."""
+        return False
+
+    def show_ledger(self, row: dict | None) -> None:
+        """Hand the node's ledger row, as the coordinator last published it, to its owner."""
+
 
 @dataclass
 class NodeRuntime(Runtime):
@@ -115,6 +122,13 @@ class NodeRuntime(Runtime):
 
     def leaving(self) -> str:
         return leave_request(self.state_dir)
+
+    def shows_ledger(self) -> bool:
+        return bool(self.state_dir)
+
+    def show_ledger(self, row: dict | None) -> None:
+        if row is not None:
+            update_status(self.state_dir, ledger=row)
 
 
 REAL_WORLD = Runtime()  # stateless: one instance serves every message

@@ -187,8 +187,11 @@ def check_body(headers, body: bytes) -> None:
         raise CredentialError("the body is not the one the request was signed with")
 
 
+NODE_PREFIX = "node-"  # a node's credential: it uploads, reads the catalog and its own ledger row
+
+
 def node_principal(node_id: int) -> str:
-    return f"node-{int(node_id)}"
+    return f"{NODE_PREFIX}{int(node_id)}"
 
 
 def invite_principal(run: str) -> str:

@@ -22,19 +22,29 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 COUNTED = {"reply": "replies", "accepted": "accepted", "error": "errors", "lost": "lost"}
+KINDS = (*COUNTED, "rejected", "joined")
 
 
 def entry() -> dict:
     return {"client": None, "replies": 0, "accepted": 0, "refused": {}, "errors": 0, "lost": 0, "samples": 0}
 
 
-def ledger(events: Iterable[dict]) -> dict[str, dict]:
-    nodes: dict[str, dict] = {}
-    for e in events:
+class Ledger:
+    """The rows kept up to date one event at a time (a listener of the run's EventLog), and
+    which nodes' rows changed since `take_changed` was last asked (what the coordinator
+    publishes to the patch store, where each node reads its own row)."""
+
+    def __init__(self):
+        self.rows: dict[str, dict] = {}
+        self.changed: set[str] = set()
+
+    def observe(self, e: dict) -> None:
         kind = e["kind"]
-        if "node" not in e or kind not in (*COUNTED, "rejected", "joined"):
-            continue
-        row = nodes.setdefault(str(e["node"]), entry())
+        if "node" not in e or kind not in KINDS:
+            return
+        node = str(e["node"])
+        row = self.rows.setdefault(node, entry())
+        self.changed.add(node)
         if "client" in e:
             row["client"] = e["client"]
         if kind in COUNTED:
@@ -43,4 +53,14 @@ def ledger(events: Iterable[dict]) -> dict[str, dict]:
             row["refused"][e["cause"]] = row["refused"].get(e["cause"], 0) + 1
         elif kind == "accepted":
             row["samples"] += e.get("samples", 0)
-    return nodes
+
+    def take_changed(self) -> dict[str, dict]:
+        changed, self.changed = {node: self.rows[node] for node in sorted(self.changed)}, set()
+        return changed
+
+
+def ledger(events: Iterable[dict]) -> dict[str, dict]:
+    book = Ledger()
+    for e in events:
+        book.observe(e)
+    return book.rows

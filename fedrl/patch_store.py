@@ -44,6 +44,7 @@ from fedrl.background_app import BackgroundApp
 from fedrl.credentials import (
     ADMIN,
     INVITE_PREFIX,
+    NODE_PREFIX,
     CredentialError,
     ReplayGuard,
     ReplayWindowFull,
@@ -83,6 +84,7 @@ class StoreState:
     objects: dict[str, StoredObject] = field(default_factory=dict)
     catalog: dict = field(default_factory=lambda: {"latest": None, "refs": [], "public_key": None})
     enrollments: dict[str, dict] = field(default_factory=dict)  # fingerprint -> request
+    ledger: dict[str, dict] = field(default_factory=dict)  # node principal -> its row (fedrl.ledger)
     nonces: ReplayGuard = field(default_factory=ReplayGuard)
     # where enrollments outlive the process (`fedrl patch-store --state-dir`); None: memory only
     enrollments_file: Path | None = None
@@ -346,6 +348,24 @@ def make_app(state: StoreState) -> web.Application:
         entry.update(status=status, reason=reason)
         state.save_enrollments()
         return web.json_response(entry)
+
+    @routes.post("/ledger")
+    async def post_ledger(request):
+        """The coordinator's ledger rows that changed, by node principal; merged into the rest."""
+        _principal(request, state, admin=True)
+        rows = await _signed_json(request, "the ledger")
+        if not isinstance(rows, dict) or not all(
+            isinstance(k, str) and k.startswith(NODE_PREFIX) and isinstance(v, dict) for k, v in rows.items()
+        ):
+            raise web.HTTPBadRequest(text="the ledger must be JSON: {node principal: its row}")
+        state.ledger.update(rows)
+        return web.json_response({"rows": len(rows)})
+
+    @routes.get("/ledger")
+    async def get_ledger(request):
+        """A node's own row, and no one else's (null until the coordinator has published one)."""
+        principal = _principal(request, state)
+        return web.json_response({"row": state.ledger.get(principal)})
 
     @routes.get("/probe")
     async def probe_down(request):

@@ -140,6 +140,14 @@ class PatchStoreClient:
             path += f"&plans={int(plans)}"
         return await self.json("GET", path, metered=True)
 
+    async def ledger(self) -> dict | None:
+        """This node's ledger row (fedrl.ledger), as the coordinator last published it; None before.
+        Read once a round by a node that has an owner to show it to, so its bytes are metered."""
+        return (await self.json("GET", "/ledger", metered=True))["row"]
+
+    async def publish_ledger(self, rows: dict[str, dict]) -> dict:
+        return await self.json("POST", "/ledger", rows)
+
     async def meta(self, digest: str) -> dict:
         return await self.json("GET", f"/objects/{digest}/meta")
 

@@ -40,7 +40,7 @@ from fedrl.credentials import (
 )
 from fedrl.failpoints import check_env as check_failpoint_env
 from fedrl.failpoints import failpoint
-from fedrl.ledger import ledger
+from fedrl.ledger import Ledger
 from fedrl.lora import build_adapter_model
 from fedrl.monitor import MonitorServer
 from fedrl.node_files import write_json
@@ -227,10 +227,15 @@ class Coordinator:
         self.resources.callback(self.checkpointer.close)
         # one record of the run (fedrl.run_events): the summary, events.jsonl, /metrics and the dashboard
         resuming = cfg.resume and any(self.checkpointer.directory.glob("ckpt-*.json"))
-        self.log = EventLog(cfg.run_name or self.out_dir.name, self.out_dir / "events.jsonl", append=resuming)
+        events_file = self.out_dir / "events.jsonl"
+        # each node's ledger counts the run's earlier lives too: they are in the file, not in memory
+        self.ledger = Ledger()
+        for e in read_events(events_file)[0] if resuming and events_file.exists() else ():
+            self.ledger.observe(e)
+        self.log = EventLog(cfg.run_name or self.out_dir.name, events_file, append=resuming)
         self.resources.callback(self.log.close)
         self.metrics = RunMetrics()
-        self.log.listeners.append(self.metrics.observe)
+        self.log.listeners += [self.metrics.observe, self.ledger.observe]
         self.events, self.counts = self.log.events, self.log.counts
         if cfg.monitor_port >= 0:
             monitor = MonitorServer(self.log, self.metrics, cfg.monitor_host, cfg.monitor_port)
@@ -348,6 +353,9 @@ class Coordinator:
             if in_catalog(r["base_version"], r["target_version"], self.version, self.publisher)
         ]
         self.admin.publish({"latest": self.version, "refs": self.refs, "public_key": self.public_key})
+        # the rows that changed since, where each node reads its own (its owner's status line shows it)
+        if changed := self.ledger.take_changed():
+            self.admin.publish_ledger({node_principal(int(node)): row for node, row in changed.items()})
 
     def held_versions(self) -> set[int]:
         """The versions nodes hold or are syncing to: the next version is patched from each (as
@@ -1100,8 +1108,7 @@ class Coordinator:
             "counts": self.counts,
             "evals": self.evals,
             "clients": {str(k): v for k, v in self.clients.items()},
-            # from the file: a resumed run's earlier lives are there, not in memory
-            "ledger": ledger(read_events(self.out_dir / "events.jsonl")[0]),
+            "ledger": self.ledger.rows,
             "gate": {"updates_scored": self.gate.scored, "cpu_s": round(self.gate.cpu_s, 3)}
             if self.gate
             else None,

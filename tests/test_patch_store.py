@@ -367,3 +367,31 @@ def test_a_node_asks_for_the_refs_of_its_routes_and_bad_queries_or_refs_are_refu
     assert node.catalog()["refs"] == refs  # a refused catalog changed nothing
     admin.close()
     node.close()
+
+
+def test_each_node_reads_its_own_ledger_row_and_only_the_coordinator_writes_them(store):
+    server, secret = store
+    admin = client(server, secret, ADMIN)
+    mine, other = client(server, secret, node_principal(3)), client(server, secret, node_principal(4))
+    assert mine.ledger() is None  # nothing published yet
+    row = {
+        "client": 0,
+        "replies": 2,
+        "accepted": 1,
+        "refused": {"norm": 1},
+        "errors": 0,
+        "lost": 0,
+        "samples": 64,
+    }
+    admin.publish_ledger({node_principal(3): row})
+    assert mine.ledger() == row and other.ledger() is None  # no one else's row
+    admin.publish_ledger({node_principal(4): {**row, "client": 1}})  # rows that changed, merged
+    assert mine.ledger() == row and other.ledger()["client"] == 1
+    with pytest.raises(StoreError, match="403"):
+        mine.publish_ledger({node_principal(3): {**row, "accepted": 99}})  # a node cannot credit itself
+    for bad in ([row], {"admin": row}, {node_principal(3): 5}):
+        with pytest.raises(StoreError, match="400"):
+            admin.publish_ledger(bad)
+    with pytest.raises(StoreError, match="403"):  # an invite's credential opens enrollment alone
+        client(server, secret, "invite:r").ledger()
+    assert mine.ledger() == row  # nothing refused changed it

@@ -555,3 +555,26 @@ def test_the_node_is_refused_memory_past_the_cap_by_the_kernel_and_lives_on():
         [sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=confinement(None, 0)
     )
     assert free.returncode == 0 and free.stdout.split()[0] == "allocated", free
+
+
+def test_a_node_with_an_owner_shows_it_its_ledger_row_as_the_coordinator_published_it(tmp_path):
+    """Each round a volunteer's node (it has a state dir) reads its own row of the run's ledger
+    from the patch store and puts it in its status; its owner's status line shows it. A node of
+    the simulation (no owner) reads none: its bytes stay the benchmarks'."""
+    from fedrl.strategies.coordinator import run_coordinator
+
+    grid = FakeGrid(3, client_app)
+    grid.contexts[1].node_config = {"state-dir": str(tmp_path / "node")}
+    (tmp_path / "node").mkdir()
+    summary = run_coordinator(grid, small_config(tmp_path, versions=4))
+    row = summary["ledger"]["1"]
+    shown = json.loads((tmp_path / "node" / STATUS).read_text())["ledger"]
+    # as of its last round: the coordinator judged that round's upload after the node read it
+    assert shown["client"] == row["client"] and 1 <= shown["accepted"] <= row["accepted"], (shown, row)
+    assert shown["replies"] < row["replies"] and shown["samples"] <= row["samples"]
+    line = status_text(1, json.loads((tmp_path / "node" / STATUS).read_text()))
+    assert f"uploads accepted {shown['accepted']}, refused 0, {shown['samples']:,} samples credited" in line
+    # a node without an owner (the simulation's: no state dir) reads no row: its bytes stay the benchmarks'
+    from fedrl.clients.runtime import REAL_WORLD, NodeRuntime
+
+    assert not REAL_WORLD.shows_ledger() and not NodeRuntime(up_bytes_s=1e6).shows_ledger()

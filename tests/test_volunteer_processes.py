@@ -190,6 +190,9 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
     # the probe travelled and was used: once the coordinator had A's probe (with its first
     # reply) it asked for no more steps than the cap; A never did more; the hardware is reported
     client_a = summary["clients"][str(node_a)]
+    # its owner saw its ledger row, as the coordinator had published it by A's last round
+    shown, row = a.status().get("ledger"), summary["ledger"][str(node_a)]
+    assert shown and shown["client"] == row["client"] and 1 <= shown["accepted"] <= row["accepted"], shown
     probe_a = read_json(a.home.state_dir / PROBE)
     assert probe_a["steps_per_round"] == 1 and client_a["hardware"]["steps_per_round"] == 1
     assert client_a["hardware"]["threads"] == 1

@@ -37,6 +37,14 @@ def how_it_left(status: dict) -> str:
     return "before its node started" if phase == "connecting" else f"{phase}, {said}"
 
 
+def ledger_text(row: dict) -> str:
+    """The node's ledger row as the coordinator last published it (fedrl.ledger)."""
+    refused = sum(row["refused"].values())
+    causes = " (" + ", ".join(f"{n} {c}" for c, n in sorted(row["refused"].items())) + ")" if refused else ""
+    samples = f"{row['samples']:,} samples credited"
+    return f"uploads accepted {row['accepted']}, refused {refused}{causes}, {samples}"
+
+
 def status_text(node_id, s: dict) -> str:
     """A node's status in one line: its phase, versions, reward and traffic."""
     if node_id is None:
@@ -55,6 +63,7 @@ def status_text(node_id, s: dict) -> str:
         f" staleness {g('staleness', 0)} | reward {g('reward', 0):.3f} | rounds {g('rounds', 0)}"
         f" | up {kb(g('bytes_up', 0))} down {kb(g('bytes_down', 0))}"
         f" | {g('link_bytes_per_s', 0) / 1000:,.1f} kB/s"
+        + (f" | {ledger_text(g('ledger'))}" if g("ledger") else "")
         + (memory if g("memory_retries") else "")
         + (f" | last message refused or failed: {g('error')}" if g("error") else "")
     )
