@@ -229,7 +229,7 @@ class Coordinator:
         resuming = cfg.resume and any(self.checkpointer.directory.glob("ckpt-*.json"))
         events_file = self.out_dir / "events.jsonl"
         # each node's ledger counts the run's earlier lives too: they are in the file, not in memory
-        self.ledger = Ledger()
+        self.ledger, self.ledger_refused = Ledger(), False
         for e in read_events(events_file)[0] if resuming and events_file.exists() else ():
             self.ledger.observe(e)
         self.log = EventLog(cfg.run_name or self.out_dir.name, events_file, append=resuming)
@@ -353,9 +353,24 @@ class Coordinator:
             if in_catalog(r["base_version"], r["target_version"], self.version, self.publisher)
         ]
         self.admin.publish({"latest": self.version, "refs": self.refs, "public_key": self.public_key})
-        # the rows that changed since, where each node reads its own (its owner's status line shows it)
-        if changed := self.ledger.take_changed():
+        self.publish_ledger()
+
+    def publish_ledger(self) -> None:
+        """The ledger rows that changed since, to the store, where each node reads its own (its
+        owner's status line shows it). A store that cannot take them (briefly away, or of a fedrl
+        before the ledger) costs the nodes their row, not the run: they go again next version."""
+        changed = self.ledger.take_changed()
+        if not changed:
+            return
+        try:
             self.admin.publish_ledger({node_principal(int(node)): row for node, row in changed.items()})
+        except StoreError as err:
+            self.ledger.changed.update(changed)
+            if not self.ledger_refused:
+                log.warning(
+                    "the patch store did not take the nodes' ledger rows (%s); retrying each version", err
+                )
+            self.ledger_refused = True
 
     def held_versions(self) -> set[int]:
         """The versions nodes hold or are syncing to: the next version is patched from each (as

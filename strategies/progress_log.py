@@ -1,8 +1,8 @@
-"""A run's progress as log lines, for the ServerApps whose output is a log: `flwr run . --stream`
-(the simulation) and `flwr run fedrl/deploy/app ... --stream` or `flwr log` (a deployment).
-`fedrl sim` and `fedrl deploy local` draw a live status line instead; under Flower's CLI the
-ServerApp's output is all its user sees, and before this it said nothing until the run ended
-(a line per held-out evaluation, then where the results are)."""
+"""A run's progress as log lines (one per held-out evaluation, then the result and where it is),
+for the ServerApps whose output is a log: `flwr run . --stream` (the simulation) and `flwr run
+fedrl/deploy/app ... --stream` or `flwr log` (a deployment). `fedrl sim` and `fedrl deploy local`
+draw a live status line instead; under Flower's CLI the ServerApp's output is all its user sees,
+and before stop 73 it said nothing at all."""
 
 from __future__ import annotations
 

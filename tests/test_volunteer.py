@@ -578,3 +578,38 @@ def test_a_node_with_an_owner_shows_it_its_ledger_row_as_the_coordinator_publish
     from fedrl.clients.runtime import REAL_WORLD, NodeRuntime
 
     assert not REAL_WORLD.shows_ledger() and not NodeRuntime(up_bytes_s=1e6).shows_ledger()
+
+
+def test_a_store_that_does_not_take_the_ledger_costs_the_rows_a_while_not_the_run(tmp_path, caplog):
+    """A store briefly away (or of a fedrl before the ledger) refuses the rows: the coordinator
+    warns once, keeps them, and sends them with the next version's."""
+    from fedrl.strategies.coordinator import Coordinator
+
+    with Coordinator(FakeGrid(3, client_app), small_config(tmp_path)) as coordinator:
+        sent, publish = [], coordinator.admin.publish_ledger
+
+        def refused_once(rows):
+            sent.append(sorted(rows))
+            if len(sent) == 1:
+                raise StoreError("POST /ledger: 404 Not Found")
+            return publish(rows)
+
+        coordinator.admin.publish_ledger = refused_once
+        coordinator.ledger.observe({"kind": "accepted", "node": 7, "client": 0, "samples": 64})
+        with caplog.at_level("WARNING", logger="fedrl.coordinator"):
+            coordinator.publish_ledger()  # refused
+            coordinator.ledger.observe({"kind": "reply", "node": 8, "client": 1})
+            coordinator.publish_ledger()  # node 7's row again, with node 8's
+            coordinator.publish_ledger()  # nothing changed: nothing sent
+        node = PatchStoreClient(coordinator.store_url, "node-7", token_for(coordinator.secret, "node-7"))
+        row = asyncio.run(_read_ledger(node))
+    assert sent == [["node-7"], ["node-7", "node-8"]]
+    said = [r.getMessage() for r in caplog.records]
+    warned = [m for m in said if "did not take the nodes' ledger rows" in m]
+    assert len(warned) == 1 and "(POST /ledger: 404 Not Found); retrying each version" in warned[0], warned
+    assert row["accepted"] == 1 and row["samples"] == 64
+
+
+async def _read_ledger(client: PatchStoreClient) -> dict | None:
+    async with client:
+        return await client.ledger()
