@@ -5,6 +5,7 @@ FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1, so the run uses this install, no
 Flower would fetch for it. The SuperLink the CLI leaves running is stopped here."""
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -41,10 +42,14 @@ def test_flwr_run_streams_the_runs_progress_and_writes_its_report(tmp_path):
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
         said = done.stdout + done.stderr
         assert done.returncode == 0, said[-3000:]
-        first = "fedrl: version 0 of 4: held-out error 0.691 at 0.0 s on the virtual clock"
-        assert first in said and "fedrl: version 4 of 4: held-out error" in said, said[-3000:]  # every 4th
+        # an eval every 4th version (the start's error is the tiny base's, which differs by CPU)
+        first = re.search(
+            r"fedrl: version 0 of 4: held-out error \d\.\d{3} at 0\.0 s on the virtual clock", said
+        )
+        assert first and "fedrl: version 4 of 4: held-out error" in said, said[-3000:]
         finished = [line for line in said.splitlines() if line.startswith("fedrl: finished: held-out error")]
         assert len(finished) == 1, said[-3000:]
+        out = out.resolve()  # the line names it absolute
         assert finished[0].endswith(f"report {out / 'report.html'}, adapter {out / 'adapter'}"), finished
         assert (out / "report.html").exists() and (out / "summary.json").exists()
         assert "installed for it from the package index" not in said  # this install, as asked

@@ -38,7 +38,7 @@ def test_the_deployment_server_app_logs_each_eval_then_the_result(tmp_path, capl
     assert [line.split(":")[1] for line in lines[:-1]] == [f" version {v} of 4" for v in (0, 2, 4)], lines
     assert all("on the real clock" in line and "replies" in line for line in lines[:-1])
     assert lines[-1].startswith("fedrl: finished: held-out error ")
-    assert lines[-1].endswith(f"summary in {tmp_path / 'run' / 'summary.json'}")
+    assert lines[-1].endswith(f"summary in {(tmp_path / 'run' / 'summary.json').resolve()}")
     assert (tmp_path / "run" / "summary.json").exists()  # where the line says
 
 
