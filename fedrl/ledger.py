@@ -59,6 +59,11 @@ class Ledger:
         return changed
 
 
+def refusals(row: dict) -> str:
+    """A row's refusals by cause, as people read them: "1 direction, 2 norm" ("" for none)."""
+    return ", ".join(f"{n} {cause}" for cause, n in sorted(row["refused"].items()))
+
+
 def ledger(events: Iterable[dict]) -> dict[str, dict]:
     book = Ledger()
     for e in events:

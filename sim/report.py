@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fedrl.ledger import refusals
+
 
 def _time_label(summary: dict) -> str:
     return "virtual time (s)" if summary.get("clock") == "virtual" else "wall time (s)"
@@ -168,7 +170,7 @@ def ledger_cells(row: dict | None) -> str:
     """A client's ledger entry as table cells (none for a summary of before the ledger)."""
     if row is None:
         return "<td>-</td>" * 4
-    refused = ", ".join(f"{n} {cause}" for cause, n in sorted(row["refused"].items())) or "0"
+    refused = refusals(row) or "0"
     return (
         f"<td>{row['accepted']}</td><td>{html.escape(refused)}</td>"
         f"<td>{row['errors']} / {row['lost']}</td><td>{row['samples']:,}</td>"

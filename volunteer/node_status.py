@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
+from fedrl.ledger import refusals
 from fedrl.node_files import PROBE, STATUS, read_json
 from fedrl.volunteer.home import VolunteerHome
 
@@ -40,7 +41,7 @@ def how_it_left(status: dict) -> str:
 def ledger_text(row: dict) -> str:
     """The node's ledger row as the coordinator last published it (fedrl.ledger)."""
     refused = sum(row["refused"].values())
-    causes = " (" + ", ".join(f"{n} {c}" for c, n in sorted(row["refused"].items())) + ")" if refused else ""
+    causes = f" ({refusals(row)})" if refused else ""
     samples = f"{row['samples']:,} samples credited"
     return f"uploads accepted {row['accepted']}, refused {refused}{causes}, {samples}"
 
