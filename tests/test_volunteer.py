@@ -347,12 +347,24 @@ def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
     invite = make_invite("r", "127.0.0.1:9", "https://127.0.0.1:9", ca, new_secret(), **LEARNER)
     home = VolunteerHome.for_run(invite.run, tmp_path)
     home.remember(invite)
-    update_status(home.state_dir, phase="idle", version=5, synced_version=5, rounds=3, bytes_down=1234)
+    row = {
+        "client": 2,
+        "replies": 4,
+        "accepted": 3,
+        "refused": {"norm": 1},
+        "errors": 0,
+        "lost": 0,
+        "samples": 192,
+    }
+    update_status(
+        home.state_dir, phase="idle", version=5, synced_version=5, rounds=3, bytes_down=1234, ledger=row
+    )
     write_json(home.session, {"pid": 999_999_999, "clean": False})  # a crashed volunteer's session
     out = io.StringIO()
     assert print_status(home, out) == 0
     text = out.getvalue()
     assert "not running" in text and "rounds: 3" in text and "synced_version: 5" in text
+    assert "ledger: uploads accepted 3, refused 1 (1 norm), 192 samples credited" in text
     assert (home.state_dir / STATUS).exists()
 
 

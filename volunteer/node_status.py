@@ -92,6 +92,8 @@ def print_status(home: VolunteerHome, out=sys.stdout) -> int:
     ):
         if status.get(key, "") != "":  # an empty error: the last message went through
             out.write(f"  {key}: {status[key]}\n")
+    if status.get("ledger"):
+        out.write(f"  ledger: {ledger_text(status['ledger'])}\n")
     if "updated_at" in status:
         out.write(f"  last message: {time.time() - status['updated_at']:.0f} s ago\n")
     if probe:
