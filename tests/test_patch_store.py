@@ -6,6 +6,7 @@ import aiohttp
 import pytest
 
 from fedrl.credentials import ADMIN, new_secret, node_principal, sign_request, token_for
+from fedrl.ledger import entry
 from fedrl.patch_store import PatchStoreServer, StoreState
 from fedrl.store_client import BlockingStoreClient, PatchStoreClient, StoreError
 
@@ -374,15 +375,7 @@ def test_each_node_reads_its_own_ledger_row_and_only_the_coordinator_writes_them
     admin = client(server, secret, ADMIN)
     mine, other = client(server, secret, node_principal(3)), client(server, secret, node_principal(4))
     assert mine.ledger() is None  # nothing published yet
-    row = {
-        "client": 0,
-        "replies": 2,
-        "accepted": 1,
-        "refused": {"norm": 1},
-        "errors": 0,
-        "lost": 0,
-        "samples": 64,
-    }
+    row = entry() | {"client": 0, "replies": 2, "accepted": 1, "refused": {"norm": 1}, "samples": 64}
     admin.publish_ledger({node_principal(3): row})
     assert mine.ledger() == row and other.ledger() is None  # no one else's row
     admin.publish_ledger({node_principal(4): {**row, "client": 1}})  # rows that changed, merged

@@ -23,6 +23,7 @@ from fedrl.clients.disk_state import load_from_disk, save_to_disk, state_path
 from fedrl.clients.runtime import NodeRuntime
 from fedrl.credentials import ADMIN, invite_principal, new_secret, token_for
 from fedrl.invite import PREFIX, VERSION, InviteError, load_invite, make_invite
+from fedrl.ledger import entry
 from fedrl.link import RateLimitedLink
 from fedrl.node_files import LEAVE, STATUS, read_json, write_json
 from fedrl.patch_store import PatchStoreServer, StoreState
@@ -347,15 +348,7 @@ def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
     invite = make_invite("r", "127.0.0.1:9", "https://127.0.0.1:9", ca, new_secret(), **LEARNER)
     home = VolunteerHome.for_run(invite.run, tmp_path)
     home.remember(invite)
-    row = {
-        "client": 2,
-        "replies": 4,
-        "accepted": 3,
-        "refused": {"norm": 1},
-        "errors": 0,
-        "lost": 0,
-        "samples": 192,
-    }
+    row = entry() | {"client": 2, "replies": 4, "accepted": 3, "refused": {"norm": 1}, "samples": 192}
     update_status(
         home.state_dir, phase="idle", version=5, synced_version=5, rounds=3, bytes_down=1234, ledger=row
     )
