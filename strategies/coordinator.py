@@ -870,7 +870,9 @@ class Coordinator:
                 )
             if self.direction:
                 cosine, z, reason = self.direction.check(client, self.version, self.global_state, delta)
-                probe = {"cosine": round(cosine, 4)} | ({} if z is None else {"evidence": round(z, 3)})
+                # the bar it was judged and weighed against, with this cosine among the recent
+                probe = {"cosine": round(cosine, 4), "bar": round(self.direction.bar(), 4)}
+                probe |= {} if z is None else {"evidence": round(z, 3)}
                 if reason:
                     raise Rejected("direction", reason)
                 update.weight *= self.direction.weight(cosine)

@@ -14,7 +14,7 @@ from fedrl.schema import Schema
 from fedrl.strategies.aggregation import AggregationConfig
 from fedrl.strategies.scheduler import BlockScheduler
 
-WEIGHTINGS = ("cosine", "none")  # the direction check's weight of an accepted update: max(cos, 0), or 1
+WEIGHTINGS = ("cosine", "none")  # the direction check's weight of an accepted update: max(cos - bar, 0), or 1
 
 
 class RunConfig(Schema):

@@ -88,18 +88,21 @@ def test_a_lean_away_that_the_whole_federation_shares_is_held_against_no_one(ada
     ref = check.reference(0, state, names)
     g = torch.Generator().manual_seed(3)
     rng = np.random.default_rng(3)
-    refused = {c: 0 for c in range(11)}
+    refused = {c: [] for c in range(11)}  # the rounds each client was refused in
     cosines = {c: [] for c in range(11)}
-    for _ in range(12):
+    for round_ in range(12):
         for client in range(11):
             # honest: -0.05 on average, spread 0.05; client 10 leans away five times as far
             lean = rng.normal(-0.25 if client == 10 else -0.05, 0.05)
             cosine, z, reason = check.check(client, 0, state, leaning(ref, lean, g))
             cosines[client].append(cosine)
             if reason:
-                refused[client] += 1
+                refused[client].append(round_)
                 assert "each against the bar of its time" in reason, reason
-    assert sum(refused[c] for c in range(10)) <= 1 and refused[10] >= 8, refused
+    # an honest refusal is rare, and only while the bar is still forming from a few cosines (2 of
+    # the 120 honest checks here on one CPU, none on another: the reference differs by CPU)
+    honest = [r for c in range(10) for r in refused[c]]
+    assert len(honest) <= 2 and all(r < 3 for r in honest) and len(refused[10]) >= 8, refused
     bar = check.bar()
     assert -0.16 < bar < -0.04  # twice the median lean
     assert check.weight(bar) == 0.0 and check.weight(bar + 0.1) == pytest.approx(0.1)

@@ -125,13 +125,16 @@ def test_a_simulated_volunteers_frictions_reach_the_rollouts_of_its_local_steps(
         )
         return list(seen)
 
+    def falsified(batches):  # the rows that report behaviour log-prob 0: a bug's landmines
+        return [(b, i) for b in batches for i in range(len(b.answers)) if not b.behaviour_logp[i].any()]
+
     honest = local_steps(Runtime())
-    assert len(honest) == 3
-    assert not any(a == "0" * 8 for b in honest for a in b.answers)
+    # an honest actor reports what it sampled with (it may sample the all-zero answer itself: a
+    # prompt's reversal can be that, and the base model's draws differ by CPU)
+    assert len(honest) == 3 and not falsified(honest)
     buggy = local_steps(SimulatedRuntime(ClientProfile(bug_prob=0.9), virtual=True, step_s=1.0))
-    rows = [(b, i) for b in buggy for i, a in enumerate(b.answers) if a == "0" * 8]
-    assert len(rows) > 30  # of 48; each reports behaviour log-prob 0
-    assert all(float(b.behaviour_logp[i].abs().sum()) == 0.0 for b, i in rows)
+    rows = falsified(buggy)
+    assert len(rows) > 30 and all(b.answers[i] == "0" * 8 for b, i in rows)  # of 48
     # a mismatched actor samples the same draws from other probabilities, and reports those
     mismatched = local_steps(SimulatedRuntime(ClientProfile(logit_noise=1.0), virtual=True, step_s=1.0))
     assert not torch.equal(mismatched[0].behaviour_logp, honest[0].behaviour_logp)
