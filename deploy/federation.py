@@ -36,10 +36,15 @@ def tool(name: str) -> str:
 
 
 def flwr_env(**extra: str) -> dict[str, str]:
-    """This process's environment for Flower's tools: no update checks, no runtime installs,
-    unbuffered logs; plus `extra`."""
+    """This process's environment for Flower's tools: this environment's scripts first on PATH
+    (Flower's tools start each other by name: a SuperLink its `flower-superexec`, which failed to
+    start from `.venv/bin/fedrl deploy local` run without the venv activated), no update checks,
+    no runtime installs, unbuffered logs; plus `extra`."""
+    scripts = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
     return {
         **os.environ,
+        "PATH": path if path.split(os.pathsep)[0] == scripts else os.pathsep.join([scripts, path]),
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "PYTHONUNBUFFERED": "1",

@@ -15,7 +15,9 @@ look for it if it dies: `keep_launcher`), and `flwr run` submitting the
 deployment app (fedrl/deploy/app: fedrl's real ServerApp and ClientApp). Each process gets its
 own process group, so stopping one stops what it started (SuperExec, ServerApp, ClientApp
 processes); a ClientApp forked for a SuperNode that is killed goes at once with the shim that
-the SuperNode started (`warm_clientapp.go_with_the_shim`).
+the SuperNode started (`warm_clientapp.go_with_the_shim`). Every service goes when the process
+that started it does, however it ends (SIGKILL, a crash): the SuperNodes and the launcher watch
+for it themselves, the store and the SuperLink run under `fedrl.deploy.parent_watch`'s guard.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
+
 from fedrl.certs import make_ca, make_node_key, make_server_cert
 from fedrl.cores import thread_env, usable_cores
 from fedrl.credentials import load_or_create_secret
 from fedrl.deploy.federation import DeployError, Federation, app_config, run_config, tool
+from fedrl.deploy.parent_watch import guarded
 from fedrl.deploy.supernode_timing import HEARTBEAT_S
 from fedrl.deploy.warm_clientapp import LauncherKeeper
 from fedrl.invite import Invite, make_invite
@@ -70,15 +75,36 @@ def stop_groups(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, timeou
             proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass  # the sweep below kills it
-    for proc in procs:  # a group may outlive its leader: SIGKILL it until it is gone
-        gone_by = time.monotonic() + 10
-        while time.monotonic() < gone_by:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                break
-            proc.poll()  # reap the leader: a zombie would keep its group alive
-            time.sleep(0.05)
+    for proc in procs:  # a group may outlive its leader
+        sweep_group(proc)
+
+
+def running_in_group(pgid: int) -> bool:
+    """Whether a process of group `pgid` has yet to exit. A zombie has exited once its last thread
+    has (its main thread is a zombie while the others still close its files, a listening port among
+    them); an init that does not reap, as in some containers, keeps orphans as zombies for good."""
+    for p in psutil.process_iter(["status", "num_threads"]):
+        try:
+            exited = p.info["status"] == psutil.STATUS_ZOMBIE and (p.info["num_threads"] or 0) <= 1
+            if not exited and os.getpgid(p.pid) == pgid:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return False
+
+
+def sweep_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGKILL the group `proc` leads until none of its processes runs, up to `timeout_s`."""
+    gone_by = time.monotonic() + timeout_s
+    while time.monotonic() < gone_by:
+        proc.poll()  # reap the leader
+        if not running_in_group(proc.pid):
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
 
 
 class LocalDeployment:
@@ -179,26 +205,26 @@ class LocalDeployment:
     def start_store(self) -> None:
         self.start(
             "patch-store",
-            [tool("fedrl"), "patch-store", "--host", self.host, "--port", str(self.store_port)]
-            + ["--secret-file", str(self.certs / "store.secret")]
-            + ["--certfile", str(self.certs / "server.pem"), "--keyfile", str(self.certs / "server.key")]
-            + ["--state-dir", str(self.state / "patch-store")],
+            guarded(
+                [tool("fedrl"), "patch-store", "--host", self.host, "--port", str(self.store_port)]
+                + ["--secret-file", str(self.certs / "store.secret")]
+                + ["--certfile", str(self.certs / "server.pem"), "--keyfile", str(self.certs / "server.key")]
+                + ["--state-dir", str(self.state / "patch-store")]
+            ),
             self.store_port,
         )
 
     def start_superlink(self) -> None:
         self.start(
             "superlink",
-            [tool("flower-superlink"), "--host", self.host, "--port", str(self.superlink_port)]
-            + ["--ssl-ca-certfile", str(self.certs / "ca.pem")]
-            + [
-                "--ssl-certfile",
-                str(self.certs / "server.pem"),
-                "--ssl-keyfile",
-                str(self.certs / "server.key"),
-            ]
-            + ["--enable-supernode-auth", "--disable-runtime-dependency-installation"]
-            + ["--database", str(self.state / "superlink.db")],
+            guarded(
+                [tool("flower-superlink"), "--host", self.host, "--port", str(self.superlink_port)]
+                + ["--ssl-ca-certfile", str(self.certs / "ca.pem")]
+                + ["--ssl-certfile", str(self.certs / "server.pem")]
+                + ["--ssl-keyfile", str(self.certs / "server.key")]
+                + ["--enable-supernode-auth", "--disable-runtime-dependency-installation"]
+                + ["--database", str(self.state / "superlink.db")]
+            ),
             self.superlink_port,
             threads=self.server_threads(),  # the ServerApp it starts inherits them
         )
@@ -238,7 +264,7 @@ class LocalDeployment:
             + ["--auth-supernode-private-key", str(key or self.certs / "nodes" / f"{name}.key")]
             + ["--host", self.host, "--port", str(self.node_ports.setdefault(i, free_port(self.host)))]
             + ["--node-config", node_config, "--heartbeat-s", f"{self.node_heartbeat_s:g}"]
-            + ["--warm-launcher", str(self.launcher.warm.directory)],
+            + ["--warm-launcher", str(self.launcher.warm.directory), "--parent-pid", str(os.getpid())],
         )
 
     def heartbeat_intervals(self) -> dict[int, float]:
@@ -313,10 +339,12 @@ class LocalDeployment:
             signal_group(self.procs[name], sig)
 
     def kill(self, name: str) -> None:
-        """SIGKILL a service and everything it started; returns once it is gone."""
+        """SIGKILL a service and everything it started; returns once all of it is gone (its port
+        free: a guarded service's leader, the guard, goes before the service it runs)."""
         self.signal(name, signal.SIGKILL)
         if name in self.procs:
             self.procs[name].wait(30)
+            sweep_group(self.procs[name], 30.0)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every service, then SIGKILL whatever is still there after `timeout_s`."""
