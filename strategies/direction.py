@@ -117,8 +117,8 @@ class DirectionCheck:
         probe = task.sample(problems, np.random.default_rng([seed, PROBE_SEED]))
         self.batch = reference_answers_batch(adapter, task, probe)
         self.cached: tuple[int, dict[tuple[str, ...], dict[str, torch.Tensor]]] = (-1, {})
-        # client id -> (updates, sum of their cosines less the bar when each came), from the
-        # MIN_SPREAD-th cosine on (before it there is no bar)
+        # client id -> (updates, sum of their cosines less the bar when each came): a checkpoint
+        # of before the bar (always 0 then) holds the same sums
         self.records: dict[int, tuple[int, float]] = {}
         self.recent: collections.deque = collections.deque(maxlen=SPREAD_WINDOW)
         self.cpu_s, self.computed = 0.0, 0  # what the reference directions cost
@@ -169,14 +169,11 @@ class DirectionCheck:
             return 0.0, None, None
         cosine = dot / norms
         self.recent.append(cosine)
-        if len(self.recent) < MIN_SPREAD:
-            # there is no bar yet to judge it against: it counts toward the spread and the bar alone
-            # (recorded against 0, an honest client's first cosine while the federation leaned away
-            # had it refused in the next rounds: 10 of 2,400 honest checks, all of early clients)
-            return cosine, None, None
         count, excess = self.records.get(client, (0, 0.0))
         count, excess = count + 1, excess + cosine - self.bar()  # each against the bar of its time
         self.records[client] = (count, excess)
+        if len(self.recent) < MIN_SPREAD:
+            return cosine, None, None
         sigma = robust_spread(self.recent)
         if sigma <= 0:
             return cosine, None, None
