@@ -60,8 +60,11 @@ def guard(argv: list[str], parent_pid: int, every_s: float = EVERY_S, grace_s: f
     leads = os.getpgrp() == os.getpid()  # started in a session of its own, as deployments start services
 
     def send(sig: int) -> None:
+        if not leads:
+            child.send_signal(sig)
+            return
         try:
-            os.killpg(os.getpgrp(), sig) if leads else child.send_signal(sig)
+            os.killpg(os.getpgrp(), sig)
         except ProcessLookupError:
             pass
 

@@ -100,7 +100,8 @@ def test_a_lean_away_that_the_whole_federation_shares_is_held_against_no_one(ada
                 refused[client].append(round_)
                 assert "each against the bar of its time" in reason, reason
     # an honest refusal is rare, and only while the bar is still forming from a few cosines (2 of
-    # the 120 honest checks here on one CPU, none on another: the reference differs by CPU)
+    # the 120 honest checks, both in round 1, on one CPU; at most 1 on another: the reference
+    # differs by CPU)
     honest = [r for c in range(10) for r in refused[c]]
     assert len(honest) <= 2 and all(r < 3 for r in honest) and len(refused[10]) >= 8, refused
     bar = check.bar()
