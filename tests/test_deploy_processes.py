@@ -10,6 +10,7 @@ import re
 
 import psutil
 import pytest
+from refusals import refused_by_cause, refused_not_by_chance
 from waiting import wait_for
 
 from fedrl.certs import make_node_key
@@ -159,7 +160,10 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     assert f"in {summary['versions']} versions" in log and f"summary in {out / 'summary.json'}" in log
     resumed = [e for e in summary["events"] if e["kind"] == "resumed"]
     assert resumed and resumed[0]["from_version"] == kept_version  # nothing lost but the round in flight
-    assert summary["versions"] >= 4 and summary["counts"]["rejected"] == 0
+    assert summary["versions"] >= 4
+    # nothing refused for the kills (tests/refusals.py: what an honest run may see refused)
+    refusals = [e for e in summary["events"] if e["kind"] == "rejected"]
+    assert not refused_not_by_chance(summary), (refused_by_cause(summary), refusals)
     # initial: v0's evaluation, kept in the checkpoint
     assert summary["final_eval"] < summary["initial_eval"], (summary["initial_eval"], summary["final_eval"])
     assert (deployment.state / "coordinator" / "coordinator.key").read_bytes() == coordinator_key
