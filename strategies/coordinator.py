@@ -194,7 +194,7 @@ class Coordinator:
                     self.adapter,
                     self.task,
                     cfg.direction_probe,
-                    cfg.direction_threshold,
+                    cfg.direction_false_refusal,
                     cfg.seed,
                     cfg.direction_weighting,
                 )
@@ -869,10 +869,10 @@ class Coordinator:
                     "(as an update made on an older state and labelled newer does)",
                 )
             if self.direction:
-                cosine, z, reason = self.direction.check(client, self.version, self.global_state, delta)
+                cosine, lr, reason = self.direction.check(client, self.version, self.global_state, delta)
                 # the bar it was judged and weighed against, with this cosine among the recent
                 probe = {"cosine": round(cosine, 4), "bar": round(self.direction.bar(), 4)}
-                probe |= {} if z is None else {"evidence": round(z, 3)}
+                probe |= {} if lr is None else {"evidence": round(lr, 3)}
                 if reason:
                     raise Rejected("direction", reason)
                 update.weight *= self.direction.weight(cosine)

@@ -8,10 +8,17 @@ the block an update changes, is a direction no client can steer (a reference mad
 updates, such as their median or momentum, is steered by the attackers in it). One update's
 cosine with it is small (honest DG updates on the tiny model: about +0.03, spread 0.06; their
 sampling noise dominates them), but its sign persists: a client that reverses its updates sits
-below zero round after round. So each client accumulates evidence, z = mean(cos - bar) *
-sqrt(n) / sigma over its updates so far (each cosine less the bar when it came; sigma: a robust
-spread of every client's recent cosines), and an update is refused (cause `direction`) while
-z < -threshold. An honest client's z drifts up with n; a reversing one's down.
+below zero round after round. So each client accumulates evidence: its cosines so far, each
+less the bar when it came, summed (S, in units of sigma: a robust spread of every client's
+recent cosines), as the likelihood ratio of "it leans away by d spreads" against "it sits at the
+bar", ln LR_d = -d S - n d^2 / 2, averaged over a few d (ATTACKER_EFFECTS). An update is refused
+(cause `direction`) while that ratio is at least 1 / `false_refusal`. Under "at the bar" the
+ratio is a nonnegative martingale, so (Ville's inequality) an honest client at the bar is ever
+refused with a chance of at most `false_refusal` however long it runs, and less the further it
+leans toward the answers; a z-test of its mean re-tested at every update refuses such a client
+sooner or later for sure (the law of the iterated logarithm), and did, in short runs (about 1 in
+4 at a mean of 0 over 12 updates). The price is evidence: an attacker at -0.75 spreads is
+refused after about 12 updates instead of 3, and the cosine weights below act meanwhile.
 
 The bar is 0, unless most recent updates lean away (their median m < 0): then it is 2m, so
 that a client at the federation's lean is judged as one at a lean of |m| toward the answers
@@ -19,8 +26,8 @@ would be. From a random start, at some states every honest loss's updates lean a
 reference answers (PPO's and DG's alike, measured on the tiny model: mean cosines down to
 -0.2), and a bar at 0 refused honest clients by the hundred and zero-weighted most of the
 rest. A lean that the federation shares is no evidence against one client (a bar at m itself
-would refuse an honest client at m one check in 15: its z would hover at 0); a client far below
-it still stands out, and a minority of attackers cannot move the median far.
+would put an honest client at m right at the bar, where chance refusals are likeliest); a
+client far below it still stands out, and a minority of attackers cannot move the median far.
 
 Every accepted update is also weighted by its own cosine, max(cos - bar, 0), as FLTrust weights
 updates by their cosine with a server update made on trusted data; this acts from a client's
@@ -33,6 +40,7 @@ size either.
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import time
 from collections.abc import Mapping
@@ -48,6 +56,9 @@ from fedrl.tasks.base import Task
 PROBE_SEED = 0xD1EC  # the probe problems' stream, apart from the gate's, every client's and the eval's
 SPREAD_WINDOW = 256  # recent cosines (every client's) that sigma is measured on
 MIN_SPREAD = 8  # cosines needed before sigma means anything: nothing is refused before
+# how far below the bar (in spreads of the recent cosines) the refusal looks for a client's mean:
+# near the honest noise (0.5), and farther, for attackers it then refuses on fewer updates
+ATTACKER_EFFECTS = (0.5, 1.0, 2.0)
 
 
 def rest_rounds(refusals_in_a_row: int, cap: int) -> int:
@@ -92,8 +103,13 @@ def reference_answers_batch(adapter: AdapterModel, task: Task, problems) -> dict
 
 
 def evidence(count: int, total: float, sigma: float) -> float:
-    """z of a client's `count` cosines (summing to `total`) against zero: mean * sqrt(n) / sigma."""
-    return total / count * count**0.5 / sigma
+    """ln of the likelihood ratio, averaged over ATTACKER_EFFECTS, that a client's `count`
+    cosines (summing to `total`, each less its bar) lean away by d spreads `sigma` rather than
+    sit at the bar, both normal with spread sigma: ln LR_d = -d * total / sigma - count * d^2 / 2.
+    Above 0 they lean away; the check refuses from ln(1 / false_refusal)."""
+    logs = [-d * total / sigma - count * d * d / 2 for d in ATTACKER_EFFECTS]
+    top = max(logs)
+    return top + math.log(sum(math.exp(x - top) for x in logs) / len(logs))
 
 
 def robust_spread(values) -> float:
@@ -109,11 +125,16 @@ class DirectionCheck:
         adapter: AdapterModel,
         task: Task,
         problems: int,
-        threshold: float,
+        false_refusal: float,
         seed: int,
         weighting: str = "none",
     ):
-        self.adapter, self.threshold, self.weighting = adapter, threshold, weighting
+        if not 0 < false_refusal < 1:
+            raise ValueError(
+                f"the direction check's false_refusal is a chance in (0, 1), got {false_refusal}"
+            )
+        self.adapter, self.weighting = adapter, weighting
+        self.bound = math.log(1 / false_refusal)  # the ln likelihood ratio it refuses from
         probe = task.sample(problems, np.random.default_rng([seed, PROBE_SEED]))
         self.batch = reference_answers_batch(adapter, task, probe)
         self.cached: tuple[int, dict[tuple[str, ...], dict[str, torch.Tensor]]] = (-1, {})
@@ -158,9 +179,10 @@ class DirectionCheck:
     def check(
         self, client: int, version: int, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
     ) -> tuple[float, float | None, str | None]:
-        """(the update's cosine with the reference, the client's evidence z or None while there
-        is too little to judge, why it is refused or None). The cosine joins the client's record
-        whether or not the update is refused: refusing an attacker must not clear its name."""
+        """(the update's cosine with the reference, the client's evidence (ln likelihood ratio,
+        see `evidence`) or None while there is too little to judge, why it is refused or None).
+        The cosine joins the client's record whether or not the update is refused: refusing an
+        attacker must not clear its name."""
         names = sorted(delta)
         ref = self.reference(version, state, names)
         dot = sum(float((ref[n] * delta[n].float()).sum()) for n in names)
@@ -177,15 +199,16 @@ class DirectionCheck:
         sigma = robust_spread(self.recent)
         if sigma <= 0:
             return cosine, None, None
-        z = evidence(count, excess, sigma)
-        if z >= -self.threshold:
-            return cosine, z, None
+        lr = evidence(count, excess, sigma)
+        if lr < self.bound:
+            return cosine, lr, None
         return (
             cosine,
-            z,
+            lr,
             f"over its {count} update(s) this client's mean cosine with the probe's reference "
-            f"direction, each against the bar of its time, is {excess / count:+.3f} (z {z:.2f} < "
-            f"-{self.threshold:g}): its updates point away from the task's answers",
+            f"direction, each against the bar of its time, is {excess / count:+.3f} (spread {sigma:.3f}): "
+            f"{math.exp(min(lr, 700)):.3g} times likelier if they lean away than at the bar (refused from "
+            f"{math.exp(self.bound):.3g}): its updates point away from the task's answers",
         )
 
     def bar(self) -> float:
