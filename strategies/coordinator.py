@@ -194,9 +194,11 @@ class Coordinator:
                     self.adapter,
                     self.task,
                     cfg.direction_probe,
-                    cfg.direction_false_refusal,
                     cfg.seed,
                     cfg.direction_weighting,
+                    cfg.direction_test,
+                    cfg.direction_threshold,
+                    cfg.direction_false_refusal,
                 )
             except ValueError as err:  # a task whose targets are not answers (the digits bandit)
                 self.direction_off = str(err)
@@ -869,10 +871,12 @@ class Coordinator:
                     "(as an update made on an older state and labelled newer does)",
                 )
             if self.direction:
-                cosine, lr, reason = self.direction.check(client, self.version, self.global_state, delta)
+                cosine, evidence, reason = self.direction.check(
+                    client, self.version, self.global_state, delta
+                )
                 # the bar it was judged and weighed against, with this cosine among the recent
                 probe = {"cosine": round(cosine, 4), "bar": round(self.direction.bar(), 4)}
-                probe |= {} if lr is None else {"evidence": round(lr, 3)}
+                probe |= {} if evidence is None else {"evidence": round(evidence, 3)}
                 if reason:
                     raise Rejected("direction", reason)
                 update.weight *= self.direction.weight(cosine)

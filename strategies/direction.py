@@ -10,15 +10,19 @@ cosine with it is small (honest DG updates on the tiny model: about +0.03, sprea
 sampling noise dominates them), but its sign persists: a client that reverses its updates sits
 below zero round after round. So each client accumulates evidence: its cosines so far, each
 less the bar when it came, summed (S, in units of sigma: a robust spread of every client's
-recent cosines), as the likelihood ratio of "it leans away by d spreads" against "it sits at the
-bar", ln LR_d = -d S - n d^2 / 2, averaged over a few d (ATTACKER_EFFECTS). An update is refused
-(cause `direction`) while that ratio is at least 1 / `false_refusal`. Under "at the bar" the
-ratio is a nonnegative martingale, so (Ville's inequality) an honest client at the bar is ever
-refused with a chance of at most `false_refusal` however long it runs, and less the further it
-leans toward the answers; a z-test of its mean re-tested at every update refuses such a client
-sooner or later for sure (the law of the iterated logarithm), and did, in short runs (about 1 in
-4 at a mean of 0 over 12 updates). The price is evidence: an attacker at -0.75 spreads is
-refused after about 12 updates instead of 3, and the cosine weights below act meanwhile.
+recent cosines). Two tests read it (`test`):
+- "z" (the default): z = S / sqrt(n), refused (cause `direction`) while z < -threshold. An
+  honest client's z drifts up with n; a reversing one's down. Re-tested at every update with no
+  correction, it refuses a client whose mean sits at the bar sooner or later for sure (the law
+  of the iterated logarithm): in short runs about 1 in 4 at a mean of 0 over 12 updates. It is
+  the default because those eager refusals also catch buggy clients early, and DG's federated
+  runs with buggy volunteers lean on that (README, Chaos: "a sequential test").
+- "sequential": the likelihood ratio of "it leans away by d spreads" against "it sits at the
+  bar", ln LR_d = -d S - n d^2 / 2, averaged over a few d (ATTACKER_EFFECTS), refused while at
+  least 1 / `false_refusal`. Under "at the bar" the ratio is a nonnegative martingale, so
+  (Ville's inequality) an honest client at the bar is ever refused with a chance of at most
+  `false_refusal` however long it runs, and less the further it leans toward the answers. The
+  price is evidence: an attacker at -0.75 spreads is refused after about 12 updates instead of 3.
 
 The bar is 0, unless most recent updates lean away (their median m < 0): then it is 2m, so
 that a client at the federation's lean is judged as one at a lean of |m| toward the answers
@@ -26,7 +30,7 @@ would be. From a random start, at some states every honest loss's updates lean a
 reference answers (PPO's and DG's alike, measured on the tiny model: mean cosines down to
 -0.2), and a bar at 0 refused honest clients by the hundred and zero-weighted most of the
 rest. A lean that the federation shares is no evidence against one client (a bar at m itself
-would put an honest client at m right at the bar, where chance refusals are likeliest); a
+would refuse an honest client at m one check in 15 under the z-test: its z would hover at 0); a
 client far below it still stands out, and a minority of attackers cannot move the median far.
 
 Every accepted update is also weighted by its own cosine, max(cos - bar, 0), as FLTrust weights
@@ -51,6 +55,7 @@ import torch
 from fedrl.lora import AdapterModel
 from fedrl.rollout import answer_vocab, left_pad, token_logprobs
 from fedrl.strategies.aggregation import update_norm
+from fedrl.strategies.run_config import DIRECTION_TESTS
 from fedrl.tasks.base import Task
 
 PROBE_SEED = 0xD1EC  # the probe problems' stream, apart from the gate's, every client's and the eval's
@@ -102,11 +107,16 @@ def reference_answers_batch(adapter: AdapterModel, task: Task, problems) -> dict
     }
 
 
-def evidence(count: int, total: float, sigma: float) -> float:
+def z_evidence(count: int, total: float, sigma: float) -> float:
+    """z of a client's `count` cosines (summing to `total`) against zero: mean * sqrt(n) / sigma."""
+    return total / count * count**0.5 / sigma
+
+
+def likelihood_evidence(count: int, total: float, sigma: float) -> float:
     """ln of the likelihood ratio, averaged over ATTACKER_EFFECTS, that a client's `count`
     cosines (summing to `total`, each less its bar) lean away by d spreads `sigma` rather than
     sit at the bar, both normal with spread sigma: ln LR_d = -d * total / sigma - count * d^2 / 2.
-    Above 0 they lean away; the check refuses from ln(1 / false_refusal)."""
+    Above 0 they lean away; the sequential test refuses from ln(1 / false_refusal)."""
     logs = [-d * total / sigma - count * d * d / 2 for d in ATTACKER_EFFECTS]
     top = max(logs)
     return top + math.log(sum(math.exp(x - top) for x in logs) / len(logs))
@@ -125,16 +135,20 @@ class DirectionCheck:
         adapter: AdapterModel,
         task: Task,
         problems: int,
-        false_refusal: float,
         seed: int,
         weighting: str = "none",
+        test: str = "z",
+        threshold: float = 1.5,
+        false_refusal: float = 0.05,
     ):
+        if test not in DIRECTION_TESTS:
+            raise ValueError(f"the direction check's test is one of {DIRECTION_TESTS}, not {test!r}")
         if not 0 < false_refusal < 1:
             raise ValueError(
                 f"the direction check's false_refusal is a chance in (0, 1), got {false_refusal}"
             )
-        self.adapter, self.weighting = adapter, weighting
-        self.bound = math.log(1 / false_refusal)  # the ln likelihood ratio it refuses from
+        self.adapter, self.weighting, self.test, self.threshold = adapter, weighting, test, threshold
+        self.bound = math.log(1 / false_refusal)  # the ln likelihood ratio the sequential test refuses from
         probe = task.sample(problems, np.random.default_rng([seed, PROBE_SEED]))
         self.batch = reference_answers_batch(adapter, task, probe)
         self.cached: tuple[int, dict[tuple[str, ...], dict[str, torch.Tensor]]] = (-1, {})
@@ -179,8 +193,9 @@ class DirectionCheck:
     def check(
         self, client: int, version: int, state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
     ) -> tuple[float, float | None, str | None]:
-        """(the update's cosine with the reference, the client's evidence (ln likelihood ratio,
-        see `evidence`) or None while there is too little to judge, why it is refused or None).
+        """(the update's cosine with the reference, the client's evidence (its z, or its ln
+        likelihood ratio under the sequential test) or None while there is too little to judge,
+        why it is refused or None).
         The cosine joins the client's record whether or not the update is refused: refusing an
         attacker must not clear its name."""
         names = sorted(delta)
@@ -199,16 +214,25 @@ class DirectionCheck:
         sigma = robust_spread(self.recent)
         if sigma <= 0:
             return cosine, None, None
-        lr = evidence(count, excess, sigma)
-        if lr < self.bound:
-            return cosine, lr, None
+        if self.test == "z":
+            value = z_evidence(count, excess, sigma)
+            if value >= -self.threshold:
+                return cosine, value, None
+            why = f"(z {value:.2f} < -{self.threshold:g})"
+        else:
+            value = likelihood_evidence(count, excess, sigma)
+            if value < self.bound:
+                return cosine, value, None
+            why = (
+                f"(spread {sigma:.3f}): {math.exp(min(value, 700)):.3g} times likelier if they lean away "
+                f"than at the bar (refused from {math.exp(self.bound):.3g})"
+            )
         return (
             cosine,
-            lr,
+            value,
             f"over its {count} update(s) this client's mean cosine with the probe's reference "
-            f"direction, each against the bar of its time, is {excess / count:+.3f} (spread {sigma:.3f}): "
-            f"{math.exp(min(lr, 700)):.3g} times likelier if they lean away than at the bar (refused from "
-            f"{math.exp(self.bound):.3g}): its updates point away from the task's answers",
+            f"direction, each against the bar of its time, is {excess / count:+.3f} {why}: its "
+            "updates point away from the task's answers",
         )
 
     def bar(self) -> float:

@@ -14,6 +14,7 @@ from fedrl.schema import Schema
 from fedrl.strategies.aggregation import AggregationConfig
 from fedrl.strategies.scheduler import BlockScheduler
 
+DIRECTION_TESTS = ("z", "sequential")  # the direction check's refusal (strategies/direction.py)
 WEIGHTINGS = ("cosine", "none")  # the direction check's weight of an accepted update: max(cos - bar, 0), or 1
 
 
@@ -60,9 +61,13 @@ class RunConfig(Schema):
     # direction check: the gradient of the reference answers' log-prob on this many probe problems
     # (off, with a note in the log, for a task whose targets are not text answers); 0: off ...
     direction_probe: int = 64
-    # ... refuses the updates of a client while the likelihood ratio of its cosines leaning away
-    # against sitting at the bar is at least 1 / this: an honest client at the bar is ever
-    # refused with at most this chance, however many updates it hands in
+    # ... refuses the updates of a client while its evidence says its updates point away: "z",
+    # while its z (mean cosine * sqrt(n) / spread) is below -direction_threshold; "sequential",
+    # while the likelihood ratio of its cosines leaning away against sitting at the bar is at least
+    # 1 / direction_false_refusal: an honest client at the bar is then ever refused with at most
+    # that chance, however many updates it hands in (slower to refuse; README, Chaos)
+    direction_test: str = "z"
+    direction_threshold: float = 1.5
     direction_false_refusal: float = 0.05
     # ... and weighs each accepted update by max(its cosine, 0) (cosine) or not at all (none), in
     # the weighted mean (robust = "mean"; the median and the trimmed mean weigh nothing)
@@ -109,17 +114,6 @@ class RunConfig(Schema):
         # `--set task_params='{"length": 6}'` and a TOML inline table arrive parsed; instructions carry text
         return json.dumps(value) if isinstance(value, dict) else value
 
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, data):
-        """An old config's key gets a pointer to what replaced it, not "extra inputs"."""
-        if isinstance(data, Mapping) and "direction_threshold" in data:
-            raise ValueError(
-                "direction_threshold (a z bound) is gone: the direction check now refuses at a chance "
-                "of refusing an honest client, direction_false_refusal (default 0.05)"
-            )
-        return data
-
     @model_validator(mode="after")
     def _consistent(self):
         if self.mode not in MODES:
@@ -137,7 +131,7 @@ class RunConfig(Schema):
         if min(getattr(self, name) for name in at_least_one) < 1:
             raise ValueError(f"{', '.join(at_least_one)} must be >= 1")
         nonnegative = ["max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"]
-        nonnegative += ["direction_probe", "direction_rest_cap"]
+        nonnegative += ["direction_probe", "direction_threshold", "direction_rest_cap"]
         nonnegative += ["final_eval_size"]
         if min(getattr(self, name) for name in nonnegative) < 0:
             raise ValueError(f"{', '.join(nonnegative)} must be >= 0")
@@ -155,6 +149,8 @@ class RunConfig(Schema):
         if self.store_url and not self.store_url.startswith(("http://", "https://")):
             raise ValueError(f"store_url must start with http:// or https://, got {self.store_url!r}")
         check_wire_dtype(self.wire_dtype)
+        if self.direction_test not in DIRECTION_TESTS:
+            raise ValueError(f"direction_test must be one of {DIRECTION_TESTS}, got {self.direction_test!r}")
         if not 0 < self.direction_false_refusal < 1:
             raise ValueError(
                 f"direction_false_refusal is a chance in (0, 1), got {self.direction_false_refusal}"

@@ -475,9 +475,7 @@ def reversing_node(cfg, attacker: int, client_app):
     from fedrl.tasks import get_task
 
     adapter = build_adapter_model(cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks)
-    check = DirectionCheck(
-        adapter, get_task(cfg.task, **json.loads(cfg.task_params)), 16, cfg.direction_false_refusal, cfg.seed
-    )
+    check = DirectionCheck(adapter, get_task(cfg.task, **json.loads(cfg.task_params)), 16, cfg.seed)
     grid = None
 
     def script(node, msg, reply):
