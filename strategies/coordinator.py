@@ -74,7 +74,7 @@ from fedrl.strategies.aggregation import (
     step_floor,
 )
 from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_checkpoints
-from fedrl.strategies.direction import DirectionCheck, rest_rounds
+from fedrl.strategies.direction import DirectionCheck, NoTextAnswers, rest_rounds
 from fedrl.strategies.gate import VerificationGate
 from fedrl.strategies.membership import Membership
 from fedrl.strategies.reputation import Reputation
@@ -200,7 +200,7 @@ class Coordinator:
                     cfg.direction_threshold,
                     cfg.direction_false_refusal,
                 )
-            except ValueError as err:  # a task whose targets are not answers (the digits bandit)
+            except NoTextAnswers as err:  # the digits bandit: bad settings fail in RunConfig
                 self.direction_off = str(err)
         self.reputation = Reputation()
         anchor_every = 1 if cfg.mode == "fedavg-lora" else cfg.anchor_every  # fedavg sends full adapters

@@ -601,6 +601,20 @@ def test_the_direction_check_is_off_with_a_note_for_a_task_without_text_answers(
         assert coordinator.direction is not None and coordinator.direction.weighting == "cosine"
 
 
+def test_a_direction_check_that_fails_for_another_reason_stops_the_start(tmp_path, monkeypatch):
+    """Only a task without text answers turns the check off: any other error in building it
+    (here a stand-in for a bad value that bypassed RunConfig) fails the start, rather than
+    running unguarded under a wrong reason."""
+    import fedrl.strategies.coordinator as coordinator_module
+
+    def broken(*args):
+        raise ValueError("false_refusal must be a chance")
+
+    monkeypatch.setattr(coordinator_module, "DirectionCheck", broken)
+    with pytest.raises(ValueError, match="false_refusal must be a chance"):
+        coordinator_module.Coordinator(FakeGrid(3, client_app), config(tmp_path))
+
+
 def test_a_resumed_run_keeps_the_held_out_evals_made_after_its_last_checkpoint(tmp_path):
     """Found by `bench chaos` (kill loop): the eval of a version ran after that version's
     checkpoint, so a coordinator killed before the next version lost it from its history."""
