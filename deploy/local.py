@@ -13,11 +13,13 @@ that every SuperNode's ClientApps are forked from (they share the machine: torch
 imported once, not once a node and again at each node's restart; started again where the nodes
 look for it if it dies: `keep_launcher`), and `flwr run` submitting the
 deployment app (fedrl/deploy/app: fedrl's real ServerApp and ClientApp). Each process gets its
-own process group, so stopping one stops what it started (SuperExec, ServerApp, ClientApp
-processes); a ClientApp forked for a SuperNode that is killed goes at once with the shim that
-the SuperNode started (`warm_clientapp.go_with_the_shim`). Every service goes when the process
-that started it does, however it ends (SIGKILL, a crash): the SuperNodes and the launcher watch
-for it themselves, the store and the SuperLink run under `fedrl.deploy.parent_watch`'s guard.
+own process group, so stopping one stops what it started (ClientApp processes; the SuperLink's
+SuperExec runs in a session of its own and goes when the SuperLink does, with the ServerApp it
+started: `kill` reaches them at once); a ClientApp forked for a SuperNode that is killed goes
+at once with the shim that the SuperNode started (`warm_clientapp.go_with_the_shim`). Every
+service goes when the process that started it does, however it ends (SIGKILL, a crash): the
+SuperNodes and the launcher watch for it themselves, the store and the SuperLink run under
+`fedrl.deploy.parent_watch`'s guard.
 """
 
 from __future__ import annotations
@@ -79,18 +81,50 @@ def stop_groups(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, timeou
         sweep_group(proc)
 
 
+def has_exited(p: psutil.Process) -> bool:
+    """A zombie has exited once its last thread has (its main thread is a zombie while the others
+    still close its files, a listening port among them); an init that does not reap, as in some
+    containers, keeps orphans as zombies for good."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE and p.num_threads() <= 1
+    except psutil.NoSuchProcess:
+        return True
+
+
 def running_in_group(pgid: int) -> bool:
-    """Whether a process of group `pgid` has yet to exit. A zombie has exited once its last thread
-    has (its main thread is a zombie while the others still close its files, a listening port among
-    them); an init that does not reap, as in some containers, keeps orphans as zombies for good."""
-    for p in psutil.process_iter(["status", "num_threads"]):
+    """Whether a process of group `pgid` has yet to exit."""
+    for p in psutil.process_iter():
         try:
-            exited = p.info["status"] == psutil.STATUS_ZOMBIE and (p.info["num_threads"] or 0) <= 1
-            if not exited and os.getpgid(p.pid) == pgid:
+            if os.getpgid(p.pid) == pgid and not has_exited(p):
                 return True
         except (ProcessLookupError, psutil.Error):
             pass
     return False
+
+
+def kill_tree(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGKILL `pid` and every process it started, whatever session they run in, and wait until
+    all have exited. Flower's SuperLink starts its SuperExec in a session of its own, and the
+    ServerApps come from that: a signal to the SuperLink's group misses them, and a ServerApp
+    left behind reconnects to the next SuperLink and goes on with its run. Each process is
+    stopped (SIGSTOP) before its children are listed, so none starts another unseen."""
+    stopped, frontier = [], [pid]
+    while frontier:
+        try:
+            p = psutil.Process(frontier.pop())
+            p.suspend()
+            stopped.append(p)
+            frontier += [c.pid for c in p.children()]
+        except psutil.NoSuchProcess:
+            pass
+    for p in stopped:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    gone_by = time.monotonic() + timeout_s
+    while any(not has_exited(p) for p in stopped) and time.monotonic() < gone_by:
+        time.sleep(0.05)
 
 
 def sweep_group(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
@@ -339,12 +373,13 @@ class LocalDeployment:
             signal_group(self.procs[name], sig)
 
     def kill(self, name: str) -> None:
-        """SIGKILL a service and everything it started; returns once all of it is gone (its port
-        free: a guarded service's leader, the guard, goes before the service it runs)."""
-        self.signal(name, signal.SIGKILL)
+        """SIGKILL a service and everything it started, its descendants in other sessions too;
+        returns once all of it is gone (its port free: a guarded service's leader, the guard,
+        goes before the service it runs)."""
         if name in self.procs:
+            kill_tree(self.procs[name].pid)
             self.procs[name].wait(30)
-            sweep_group(self.procs[name], 30.0)
+            sweep_group(self.procs[name], 30.0)  # what its group holds that is no descendant
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM every service, then SIGKILL whatever is still there after `timeout_s`."""

@@ -16,7 +16,7 @@ from waiting import wait_for
 from fedrl.certs import make_node_key
 from fedrl.credentials import node_principal, token_for
 from fedrl.deploy.federation import failure_of
-from fedrl.deploy.local import LAUNCHER, LocalDeployment
+from fedrl.deploy.local import LAUNCHER, LocalDeployment, has_exited
 from fedrl.store_client import BlockingStoreClient, StoreError
 from fedrl.strategies.checkpoint import load_latest
 
@@ -136,7 +136,15 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     )
     coordinator_key = (deployment.state / "coordinator" / "coordinator.key").read_bytes()
 
+    serverapps = [
+        p
+        for p in psutil.Process(deployment.procs["superlink"].pid).children(recursive=True)
+        if "flwr-serverapp" in " ".join(p.cmdline())
+    ]
+    assert serverapps  # started by the SuperExec, in a session other than the SuperLink's
     deployment.kill("superlink")  # SIGKILL to the SuperLink and the ServerApp it started
+    # none left to reconnect to the restarted SuperLink and go on beside the resubmitted run
+    assert all(has_exited(p) for p in serverapps)
     kept_version = load_latest(out / "checkpoints")[0]
     assert not (out / "summary.json").exists()
     deployment.start_superlink()  # same database: registrations and node ids survive
