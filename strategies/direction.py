@@ -55,6 +55,7 @@ import torch
 from fedrl.lora import AdapterModel
 from fedrl.rollout import answer_vocab, left_pad, token_logprobs
 from fedrl.strategies.aggregation import update_norm
+from fedrl.strategies.run_config import check_direction
 from fedrl.tasks.base import Task
 
 PROBE_SEED = 0xD1EC  # the probe problems' stream, apart from the gate's, every client's and the eval's
@@ -145,7 +146,7 @@ class DirectionCheck:
         threshold: float = 1.5,
         false_refusal: float = 0.05,
     ):
-        # the settings are RunConfig's, validated there
+        check_direction(test, false_refusal, weighting)
         self.adapter, self.weighting, self.test, self.threshold = adapter, weighting, test, threshold
         self.bound = math.log(1 / false_refusal)  # the ln likelihood ratio the sequential test refuses from
         probe = task.sample(problems, np.random.default_rng([seed, PROBE_SEED]))

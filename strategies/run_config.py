@@ -18,6 +18,16 @@ DIRECTION_TESTS = ("z", "sequential")  # the direction check's refusal (strategi
 WEIGHTINGS = ("cosine", "none")  # the direction check's weight of an accepted update: max(cos - bar, 0), or 1
 
 
+def check_direction(test: str, false_refusal: float, weighting: str) -> None:
+    """The direction check's settings (strategies/direction.py), named as the run config names them."""
+    if test not in DIRECTION_TESTS:
+        raise ValueError(f"direction_test must be one of {DIRECTION_TESTS}, got {test!r}")
+    if not 0 < false_refusal < 1:
+        raise ValueError(f"direction_false_refusal is a chance in (0, 1), got {false_refusal}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"direction_weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+
+
 class RunConfig(Schema):
     mode: str = "parablock"  # parablock | block-sequential | fedavg-lora
     sync: bool = False  # True: round barrier with deadline; False: FedBuff-style async
@@ -149,16 +159,7 @@ class RunConfig(Schema):
         if self.store_url and not self.store_url.startswith(("http://", "https://")):
             raise ValueError(f"store_url must start with http:// or https://, got {self.store_url!r}")
         check_wire_dtype(self.wire_dtype)
-        if self.direction_test not in DIRECTION_TESTS:
-            raise ValueError(f"direction_test must be one of {DIRECTION_TESTS}, got {self.direction_test!r}")
-        if not 0 < self.direction_false_refusal < 1:
-            raise ValueError(
-                f"direction_false_refusal is a chance in (0, 1), got {self.direction_false_refusal}"
-            )
-        if self.direction_weighting not in WEIGHTINGS:
-            raise ValueError(
-                f"direction_weighting must be one of {WEIGHTINGS}, got {self.direction_weighting!r}"
-            )
+        check_direction(self.direction_test, self.direction_false_refusal, self.direction_weighting)
         return self
 
     def aggregation(self) -> AggregationConfig:

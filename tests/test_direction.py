@@ -269,7 +269,7 @@ def test_a_refused_client_rests_twice_as_long_after_each_refusal_up_to_the_cap()
     assert rest_rounds(3, cap=0) == 0  # off: refused clients keep working
 
 
-def test_a_task_without_text_answers_and_bad_settings_are_refused(adapter):
+def test_a_task_without_text_answers_and_bad_settings_are_refused(adapter, reversal):
     with pytest.raises(NoTextAnswers, match="needs text prompts"):
         DirectionCheck(adapter, get_task("digits"), problems=4, threshold=1.5, seed=0)
     with pytest.raises(ValueError, match="direction_probe"):
@@ -285,3 +285,11 @@ def test_a_task_without_text_answers_and_bad_settings_are_refused(adapter):
         RunConfig(direction_weighting="sign")
     with pytest.raises(ValueError, match="direction_rest_cap"):
         RunConfig(direction_rest_cap=-1)
+    # built directly, the check refuses what the run config refuses (one validator), before its probe
+    for bad, match in (
+        (dict(test="t"), "direction_test must be one of"),
+        (dict(false_refusal=1.0), "direction_false_refusal is a chance"),
+        (dict(weighting="sign"), "direction_weighting"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            DirectionCheck(adapter, reversal, problems=4, seed=0, **bad)
