@@ -10,7 +10,10 @@ Per node (keyed by node id, as the summary's `clients`), every count from one ki
              crashed, or the SuperLink could not deliver the message)
   lost       messages with no answer before their deadline ("lost")
   samples    rollouts behind its accepted uploads, as its reports gave them (each checked against
-             the round's maximum, max-steps x prompts x samples, before it is accepted)
+             the round's maximum, max-steps x prompts x samples, before it is accepted), but for
+             those merged at weight 0 (the direction check's weight of an update that leans
+             away from the probe's answers): they added nothing to the global adapter
+  weightless accepted uploads merged at weight 0 (counted in `accepted` too)
 An upload travels in the reply after the round that made it (a node's comm thread pushes its
 last delta while the next round computes), and a refusal is decided when its reply is handled,
 so `accepted` + `sum(refused)` counts uploads, not replies. Bytes and seconds per node are in
@@ -26,7 +29,16 @@ KINDS = (*COUNTED, "rejected", "joined")
 
 
 def entry() -> dict:
-    return {"client": None, "replies": 0, "accepted": 0, "refused": {}, "errors": 0, "lost": 0, "samples": 0}
+    return {
+        "client": None,
+        "replies": 0,
+        "accepted": 0,
+        "refused": {},
+        "errors": 0,
+        "lost": 0,
+        "samples": 0,
+        "weightless": 0,
+    }
 
 
 class Ledger:
@@ -51,12 +63,20 @@ class Ledger:
             row[COUNTED[kind]] += 1
         if kind == "rejected":
             row["refused"][e["cause"]] = row["refused"].get(e["cause"], 0) + 1
+        elif kind == "accepted" and e.get("weight", 1) == 0:
+            row["weightless"] += 1
         elif kind == "accepted":
             row["samples"] += e.get("samples", 0)
 
     def take_changed(self) -> dict[str, dict]:
         changed, self.changed = {node: self.rows[node] for node in sorted(self.changed)}, set()
         return changed
+
+
+def accepted(row: dict) -> str:
+    """A row's accepted uploads as people read them: "3", or "3 (1 at weight 0)"."""
+    weightless = row.get("weightless", 0)  # rows published before it was counted lack it
+    return f"{row['accepted']} ({weightless} at weight 0)" if weightless else str(row["accepted"])
 
 
 def refusals(row: dict) -> str:

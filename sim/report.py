@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedrl.ledger import refusals
+from fedrl.ledger import accepted, refusals
 
 
 def _time_label(summary: dict) -> str:
@@ -172,7 +172,7 @@ def ledger_cells(row: dict | None) -> str:
         return "<td>-</td>" * 4
     refused = refusals(row) or "0"
     return (
-        f"<td>{row['accepted']}</td><td>{html.escape(refused)}</td>"
+        f"<td>{accepted(row)}</td><td>{html.escape(refused)}</td>"
         f"<td>{row['errors']} / {row['lost']}</td><td>{row['samples']:,}</td>"
     )
 

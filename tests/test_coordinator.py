@@ -548,16 +548,18 @@ def test_a_client_whose_updates_point_away_from_the_answers_is_refused(tmp_path)
     client = next(e["client"] for e in summary["events"] if e["kind"] == "joined" and e["node"] == 1)
     # an empty update (cosine 0) is measured against nothing, so it is not on the record
     assert meta["direction"]["records"][str(client)][0] == sum(e["cosine"] != 0 for e in mine)
-    # the ledger says the same of each node: node 1's refusals by cause, the samples of what was merged
+    # the ledger says the same of each node: node 1's refusals by cause, the samples of what was
+    # merged at a weight above 0 (the rest added nothing), and how many were merged at weight 0
     ledger = summary["ledger"]
     assert ledger["1"]["refused"] == {"direction": len(refused)} and ledger["1"]["client"] == client
     for node in (1, 2, 3):
         merged = [e for e in summary["events"] if e["kind"] == "accepted" and e["node"] == node]
-        assert ledger[str(node)]["accepted"] == len(merged) and ledger[str(node)]["samples"] == sum(
-            e["samples"] for e in merged
-        )
+        row = ledger[str(node)]
+        assert row["accepted"] == len(merged) and row["weightless"] == sum(e["weight"] == 0 for e in merged)
+        assert row["samples"] == sum(e["samples"] for e in merged if e["weight"] > 0)
         assert ledger[str(node)]["replies"] == asked[node]  # every round answered with a report
     assert ledger["2"]["samples"] > 0 and not ledger["2"]["refused"]
+    assert ledger["1"]["weightless"] > 0, ledger["1"]  # its accepted steps down weighed nothing
 
 
 def test_a_refused_client_is_asked_nothing_until_its_rest_is_over_on_a_virtual_clock(tmp_path):

@@ -348,7 +348,14 @@ def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
     invite = make_invite("r", "127.0.0.1:9", "https://127.0.0.1:9", ca, new_secret(), **LEARNER)
     home = VolunteerHome.for_run(invite.run, tmp_path)
     home.remember(invite)
-    row = entry() | {"client": 2, "replies": 4, "accepted": 3, "refused": {"norm": 1}, "samples": 192}
+    row = entry() | {
+        "client": 2,
+        "replies": 4,
+        "accepted": 3,
+        "refused": {"norm": 1},
+        "samples": 192,
+        "weightless": 1,
+    }
     update_status(
         home.state_dir, phase="idle", version=5, synced_version=5, rounds=3, bytes_down=1234, ledger=row
     )
@@ -357,7 +364,7 @@ def test_status_from_another_shell_reads_the_node_files(tmp_path, ca):
     assert print_status(home, out) == 0
     text = out.getvalue()
     assert "not running" in text and "rounds: 3" in text and "synced_version: 5" in text
-    assert "ledger: uploads accepted 3, refused 1 (1 norm), 192 samples credited" in text
+    assert "ledger: uploads accepted 3 (1 at weight 0), refused 1 (1 norm), 192 samples credited" in text
     assert (home.state_dir / STATUS).exists()
 
 
@@ -578,7 +585,8 @@ def test_a_node_with_an_owner_shows_it_its_ledger_row_as_the_coordinator_publish
     assert shown["client"] == row["client"] and 1 <= shown["accepted"] <= row["accepted"], (shown, row)
     assert shown["replies"] < row["replies"] and shown["samples"] <= row["samples"]
     line = status_text(1, json.loads((tmp_path / "node" / STATUS).read_text()))
-    assert f"uploads accepted {shown['accepted']}, refused 0, {shown['samples']:,} samples credited" in line
+    assert f"uploads accepted {shown['accepted']}" in line  # then how many at weight 0, if any
+    assert f"refused 0, {shown['samples']:,} samples credited" in line
     # a node without an owner (the simulation's: no state dir) reads no row: its bytes stay the benchmarks'
     from fedrl.clients.runtime import REAL_WORLD, NodeRuntime
 

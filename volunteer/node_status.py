@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from fedrl.ledger import refusals
+from fedrl.ledger import accepted, refusals
 from fedrl.node_files import PROBE, STATUS, read_json
 from fedrl.volunteer.home import VolunteerHome
 
@@ -43,7 +43,7 @@ def ledger_text(row: dict) -> str:
     refused = sum(row["refused"].values())
     causes = f" ({refusals(row)})" if refused else ""
     samples = f"{row['samples']:,} samples credited"
-    return f"uploads accepted {row['accepted']}, refused {refused}{causes}, {samples}"
+    return f"uploads accepted {accepted(row)}, refused {refused}{causes}, {samples}"
 
 
 def status_text(node_id, s: dict) -> str:
