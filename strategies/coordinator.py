@@ -79,6 +79,7 @@ from fedrl.strategies.gate import VerificationGate
 from fedrl.strategies.membership import Membership
 from fedrl.strategies.reputation import Reputation
 from fedrl.strategies.run_config import RunConfig
+from fedrl.strategies.run_lock import hold_run_lock, release
 from fedrl.tasks import get_task
 
 log = logging.getLogger("fedrl.coordinator")
@@ -167,6 +168,7 @@ class Coordinator:
         cfg = self.cfg
         self.out_dir = Path(cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.hold(self.out_dir)  # before anything in it is read or written
         self.adapter = build_adapter_model(
             cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks
         )  # our own instance
@@ -221,6 +223,9 @@ class Coordinator:
         )
         self.resources.callback(self.admin.close)
         # every base a delta may still be judged against survives a restart (max_staleness + 1)
+        if cfg.checkpoint_dir:  # a folder of its own: held too, before its leftovers are cleared
+            Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+            self.hold(Path(cfg.checkpoint_dir))
         self.checkpointer = Checkpointer(
             cfg.checkpoint_dir or self.out_dir / "checkpoints",
             keep=cfg.max_staleness + 1,
@@ -273,6 +278,10 @@ class Coordinator:
         self.quiet_since = self.wall_start  # the last reply pulled or message sent (idle_wait_s)
         # what the run's earlier lives spent (a resumed run): its records count from the run's start
         self.earlier = dict.fromkeys(SPENT, 0) | {"messages": 0, "time_s": 0.0, "wall_s": 0.0}
+
+    def hold(self, directory: Path) -> None:
+        """This coordinator's lock on a run folder, until it closes (strategies/run_lock.py)."""
+        self.resources.callback(release, hold_run_lock(directory))
 
     def __enter__(self) -> Coordinator:
         return self
