@@ -14,9 +14,10 @@ imported once, not once a node and again at each node's restart; started again w
 look for it if it dies: `keep_launcher`), and `flwr run` submitting the
 deployment app (fedrl/deploy/app: fedrl's real ServerApp and ClientApp). Each process gets its
 own process group, so stopping one stops what it started (ClientApp processes; the SuperLink's
-SuperExec runs in a session of its own and goes when the SuperLink does, with the ServerApp it
-started: `kill` reaches them at once); a ClientApp forked for a SuperNode that is killed goes
-at once with the shim that the SuperNode started (`warm_clientapp.go_with_the_shim`). Every
+SuperExec runs in a session of its own and goes seconds after the SuperLink does, the ServerApp
+it started seconds after that: `kill` reaches them at once); a ClientApp forked for a SuperNode
+that is killed goes at once with the shim that the SuperNode started
+(`warm_clientapp.go_with_the_shim`). Every
 service goes when the process that started it does, however it ends (SIGKILL, a crash): the
 SuperNodes and the launcher watch for it themselves, the store and the SuperLink run under
 `fedrl.deploy.parent_watch`'s guard.
@@ -106,8 +107,9 @@ def kill_tree(pid: int, timeout_s: float = 30.0) -> None:
     """SIGKILL `pid` and every process it started, whatever session they run in, and wait until
     all have exited. Flower's SuperLink starts its SuperExec in a session of its own, and the
     ServerApps come from that: a signal to the SuperLink's group misses them, and a ServerApp
-    left behind reconnects to the next SuperLink and goes on with its run. Each process is
-    stopped (SIGSTOP) before its children are listed, so none starts another unseen."""
+    left behind goes on aggregating and checkpointing until it notices, some seconds later
+    (8-12 s here). Each process is stopped (SIGSTOP) before its children are listed, so none
+    starts another unseen."""
     stopped, frontier = [], [pid]
     while frontier:
         try:

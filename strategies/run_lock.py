@@ -2,11 +2,11 @@
 coordinator lives.
 
 Two coordinators on one folder interleave their checkpoints and events, and each resumes from
-what the other wrote. It happens: Flower's ServerApp outlives a SuperLink killed under it and
-reconnects to the restarted one, going on with its run beside the one an operator submits
-again. The lock is the kernel's (`flock`), so it goes with its process however that ends (a
-SIGKILL too), and a resume after a crash finds it free. The file names the holder, for the
-error the second coordinator gives.
+what the other wrote: two `fedrl sim` runs given one out_dir, or a run submitted again while
+the last one still runs (a ServerApp goes on for some seconds after its SuperLink is killed).
+The lock is the kernel's (`flock`), so it goes with its process however that ends (a SIGKILL
+too), and a resume after a crash finds it free. The file names the holder, for the error the
+second coordinator gives.
 """
 
 from __future__ import annotations

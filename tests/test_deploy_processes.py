@@ -143,7 +143,7 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     ]
     assert serverapps  # started by the SuperExec, in a session other than the SuperLink's
     deployment.kill("superlink")  # SIGKILL to the SuperLink and the ServerApp it started
-    # none left to reconnect to the restarted SuperLink and go on beside the resubmitted run
+    # none left to write another checkpoint after the one read below (one did, before)
     assert all(has_exited(p) for p in serverapps)
     kept_version = load_latest(out / "checkpoints")[0]
     assert not (out / "summary.json").exists()

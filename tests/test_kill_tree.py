@@ -1,7 +1,7 @@
 """`LocalDeployment.kill` reaches what a service started in a session of its own, as Flower's
 SuperLink starts its SuperExec (and that one the ServerApps): a signal to the service's process
-group missed them, and a ServerApp left behind reconnected to the restarted SuperLink and went on
-with its run beside the resubmitted one (tests/test_deploy_processes.py)."""
+group missed them, and a ServerApp left behind wrote checkpoints for some seconds after the
+kill, after the one the killed-SuperLink test read (tests/test_deploy_processes.py)."""
 
 import os
 import subprocess
