@@ -21,13 +21,13 @@ from pathlib import Path
 LOCK_FILE = "coordinator.lock"
 
 
-class RunLocked(RuntimeError):
+class RunLockedError(RuntimeError):
     """Another coordinator holds this run folder."""
 
 
 def hold_run_lock(directory: str | Path) -> int:
     """Lock `directory` for this coordinator; the lock's file descriptor, to `release`. Raises
-    RunLocked naming the holder if another coordinator (in any process) has it."""
+    RunLockedError naming the holder if another coordinator (in any process) has it."""
     path = Path(directory) / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by what this process starts
     try:
@@ -35,7 +35,7 @@ def hold_run_lock(directory: str | Path) -> int:
     except BlockingIOError:
         holder = os.read(fd, 4096).decode(errors="replace")
         os.close(fd)
-        raise RunLocked(
+        raise RunLockedError(
             f"{directory} is another coordinator's run folder while it runs ({describe(holder)}): "
             "stop that one first (a run resumes from its checkpoint), or give this run another out_dir"
         ) from None

@@ -3,7 +3,8 @@
 registered EC keys, runs submitted with `flwr run`. The tests share one deployment and run in
 order: an unregistered node and a wrong store token are refused; then one run learns through
 it all while a SuperNode and the SuperLink (with the ServerApp it started) are SIGKILLed: the
-resubmitted run resumes from its last checkpoint and the restarted node rejoins and catches up."""
+resubmitted run resumes from its last checkpoint and the restarted node rejoins and catches up,
+while the same run submitted once more beside it is refused by the run folder's lock."""
 
 import json
 import re
@@ -157,6 +158,13 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     assert deployment.federation.run_status(run_id) != "finished:completed"
 
     run_id = deployment.submit(**config)  # Flower cannot resume a run: a new one resumes the state
+    # the same run submitted again while that one runs: its ServerApp is refused by the run folder's
+    # lock, and the run goes on untouched (all that is asserted of it below)
+    events = out / "events.jsonl"
+    wait_for(lambda: '"kind": "resumed"' in events.read_text(), 300, "the resubmitted run under way")
+    twin = deployment.submit(**config)
+    assert deployment.federation.wait_run(twin, 300) == "finished:failed"
+    assert "another coordinator's run folder" in failure_of(deployment.federation.run_log(twin))
     assert (
         deployment.federation.wait_run(run_id, 600, events=deployment.run_dir / "events.jsonl")
         == "finished:completed"

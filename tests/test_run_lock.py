@@ -13,7 +13,7 @@ from fake_grid import FakeGrid, small_config
 
 from fedrl.clients.client_app import app as client_app
 from fedrl.strategies.coordinator import Coordinator, run_coordinator
-from fedrl.strategies.run_lock import LOCK_FILE, RunLocked, hold_run_lock, release
+from fedrl.strategies.run_lock import LOCK_FILE, RunLockedError, hold_run_lock, release
 
 HOLDER = textwrap.dedent("""
     import sys, time
@@ -29,7 +29,7 @@ def test_a_folder_held_by_a_process_killed_outright_is_free_again(tmp_path):
     holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(RunLocked, match=f"pid {holder.pid} on .*another out_dir"):
+        with pytest.raises(RunLockedError, match=f"pid {holder.pid} on .*another out_dir"):
             hold_run_lock(tmp_path)
         holder.send_signal(signal.SIGKILL)
         holder.wait(30)
@@ -44,7 +44,7 @@ def test_a_lock_file_that_names_no_holder_is_still_a_lock(tmp_path):
     fd = hold_run_lock(tmp_path)
     try:
         os.ftruncate(fd, 0)  # as a holder between its lock and its record
-        with pytest.raises(RunLocked, match="names no holder"):
+        with pytest.raises(RunLockedError, match="names no holder"):
             hold_run_lock(tmp_path)
     finally:
         release(fd)
@@ -53,12 +53,12 @@ def test_a_lock_file_that_names_no_holder_is_still_a_lock(tmp_path):
 def test_a_second_coordinator_on_a_run_folder_is_refused_and_touches_nothing(tmp_path):
     cfg = small_config(tmp_path, checkpoint_dir=str(tmp_path / "shared-checkpoints"))
     with Coordinator(FakeGrid(3, client_app), cfg):
-        with pytest.raises(RunLocked, match=f"pid {os.getpid()} on "):
+        with pytest.raises(RunLockedError, match=f"pid {os.getpid()} on "):
             Coordinator(FakeGrid(3, client_app), cfg)
         # another out_dir, the same checkpoint_dir: refused before it clears the folder's leftovers
         leftover = tmp_path / "shared-checkpoints" / "ckpt-00000001.safetensors.tmp"  # a write under way
         leftover.write_bytes(b"half a checkpoint")
-        with pytest.raises(RunLocked, match="shared-checkpoints is another coordinator's"):
+        with pytest.raises(RunLockedError, match="shared-checkpoints is another coordinator's"):
             Coordinator(FakeGrid(3, client_app), cfg.replace(out_dir=str(tmp_path / "other")))
         assert leftover.read_bytes() == b"half a checkpoint"
         leftover.unlink()
