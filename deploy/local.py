@@ -16,11 +16,10 @@ deployment app (fedrl/deploy/app: fedrl's real ServerApp and ClientApp). Each pr
 own process group, so stopping one stops what it started (ClientApp processes; the SuperLink's
 SuperExec runs in a session of its own and goes seconds after the SuperLink does, the ServerApp
 it started seconds after that: `kill` reaches them at once); a ClientApp forked for a SuperNode
-that is killed goes at once with the shim that the SuperNode started
-(`warm_clientapp.go_with_the_shim`). Every
-service goes when the process that started it does, however it ends (SIGKILL, a crash): the
-SuperNodes and the launcher watch for it themselves, the store and the SuperLink run under
-`fedrl.deploy.parent_watch`'s guard.
+that is killed goes at once with the shim that the SuperNode started (warm_clientapp's
+`go_with_the_shim`). Every service goes when the process that started it does, however it ends
+(SIGKILL, a crash): the SuperNodes and the launcher watch for it themselves, the store and the
+SuperLink run under `fedrl.deploy.parent_watch`'s guard.
 """
 
 from __future__ import annotations

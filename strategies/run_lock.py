@@ -29,7 +29,7 @@ def hold_run_lock(directory: str | Path) -> int:
     """Lock `directory` for this coordinator; the lock's file descriptor, to `release`. Raises
     RunLockedError naming the holder if another coordinator (in any process) has it."""
     path = Path(directory) / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by what this process starts
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # close-on-exec: the programs it starts hold none
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

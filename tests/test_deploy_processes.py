@@ -68,6 +68,17 @@ def forked_for(deployment, name: str) -> list[psutil.Process]:
     return found
 
 
+def serverapps_under(pid: int) -> list[psutil.Process]:
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "flwr-serverapp" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def test_an_unregistered_supernode_is_refused(deployment):
     key, _ = make_node_key(deployment.certs, "stranger")  # never registered with the SuperLink
     name = deployment.node_name(3)
@@ -137,11 +148,7 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     )
     coordinator_key = (deployment.state / "coordinator" / "coordinator.key").read_bytes()
 
-    serverapps = [
-        p
-        for p in psutil.Process(deployment.procs["superlink"].pid).children(recursive=True)
-        if "flwr-serverapp" in " ".join(p.cmdline())
-    ]
+    serverapps = serverapps_under(deployment.procs["superlink"].pid)
     assert serverapps  # started by the SuperExec, in a session other than the SuperLink's
     deployment.kill("superlink")  # SIGKILL to the SuperLink and the ServerApp it started
     # none left to write another checkpoint after the one read below (one did, before)
