@@ -223,11 +223,12 @@ class Coordinator:
         )
         self.resources.callback(self.admin.close)
         # every base a delta may still be judged against survives a restart (max_staleness + 1)
+        checkpoints = Path(cfg.checkpoint_dir or self.out_dir / "checkpoints")
         if cfg.checkpoint_dir:  # a folder of its own: held too, before its leftovers are cleared
-            Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-            self.hold(Path(cfg.checkpoint_dir))
+            checkpoints.mkdir(parents=True, exist_ok=True)
+            self.hold(checkpoints)
         self.checkpointer = Checkpointer(
-            cfg.checkpoint_dir or self.out_dir / "checkpoints",
+            checkpoints,
             keep=cfg.max_staleness + 1,
             on_saved=lambda v: self.event("checkpoint", saved_version=v),
         )

@@ -172,10 +172,7 @@ def test_a_run_learns_across_a_killed_superlink_and_a_killed_supernode(deploymen
     twin = deployment.submit(**config)
     assert deployment.federation.wait_run(twin, 300) == "finished:failed"
     assert "another coordinator's run folder" in failure_of(deployment.federation.run_log(twin))
-    assert (
-        deployment.federation.wait_run(run_id, 600, events=deployment.run_dir / "events.jsonl")
-        == "finished:completed"
-    )
+    assert deployment.federation.wait_run(run_id, 600, events=events) == "finished:completed"
     summary = json.loads((out / "summary.json").read_text())
     # its log (`flwr log`, what `--stream` shows) says how it went and where the results are
     log = deployment.federation.run_log(run_id)

@@ -37,9 +37,11 @@ def test_kill_tree_kills_descendants_in_other_sessions():
         service.wait(10)
         assert all(has_exited(p) for p in tree)
     finally:
-        for p in [*tree, psutil.Process(service.pid) if service.poll() is None else None]:
-            if p is not None and not has_exited(p):
+        for p in tree:
+            if not has_exited(p):
                 p.kill()
+        if service.poll() is None:
+            service.kill()
 
 
 def test_kill_tree_of_a_process_gone_is_a_no_op():
