@@ -1,12 +1,12 @@
-"""One coordinator a run folder: an exclusive lock on `coordinator.lock` in it, held while the
-coordinator lives.
+"""One coordinator a run folder: an exclusive lock on the folder itself, held while the
+coordinator lives, and `coordinator.lock` in it naming the holder.
 
 Two coordinators on one folder interleave their checkpoints and events, and each resumes from
 what the other wrote: two `fedrl sim` runs given one out_dir, or a run submitted again while
 the last one still runs (a ServerApp goes on for some seconds after its SuperLink is killed).
 The lock is the kernel's (`flock`), so it goes with its process however that ends (a SIGKILL
-too), and a resume after a crash finds it free. The file names the holder, for the error the
-second coordinator gives.
+too), and a resume after a crash finds it free. It is taken on the folder, not on a file in it,
+so deleting the holder's record while it runs does not let a second coordinator in.
 """
 
 from __future__ import annotations
@@ -16,43 +16,49 @@ import json
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-LOCK_FILE = "coordinator.lock"
+LOCK_FILE = "coordinator.lock"  # the holder's record, for the error a second coordinator gives
 
 
 class RunLockedError(RuntimeError):
     """Another coordinator holds this run folder."""
 
 
-def hold_run_lock(directory: str | Path) -> int:
-    """Lock `directory` for this coordinator; the lock's file descriptor, to `release`. Raises
-    RunLockedError naming the holder if another coordinator (in any process) has it."""
-    path = Path(directory) / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # close-on-exec: the programs it starts hold none
+@dataclass(frozen=True)
+class RunLock:
+    fd: int  # the folder's descriptor, which holds the lock
+    record: Path
+
+
+def hold_run_lock(directory: str | Path) -> RunLock:
+    """Lock `directory` for this coordinator, until `release`. Raises RunLockedError naming the
+    holder if another coordinator (in any process) has it."""
+    record = Path(directory) / LOCK_FILE
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)  # close-on-exec: the programs it starts hold none
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.read(fd, 4096).decode(errors="replace")
         os.close(fd)
         raise RunLockedError(
-            f"{directory} is another coordinator's run folder while it runs ({describe(holder)}): "
+            f"{directory} is another coordinator's run folder while it runs ({describe(record)}): "
             "stop that one first (a run resumes from its checkpoint), or give this run another out_dir"
         ) from None
-    os.ftruncate(fd, 0)
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-    os.pwrite(fd, json.dumps(holder).encode(), 0)
-    return fd
+    record.write_text(json.dumps(holder))  # one read of it part-written names no holder
+    return RunLock(fd, record)
 
 
-def release(fd: int) -> None:
-    os.close(fd)  # closing the last descriptor of the open file releases the lock
+def release(lock: RunLock) -> None:
+    lock.record.unlink(missing_ok=True)  # first: a coordinator that finds the folder free rewrites it
+    os.close(lock.fd)  # closing the last descriptor of the open folder releases the lock
 
 
-def describe(holder: str) -> str:
+def describe(record: Path) -> str:
     try:
-        record = json.loads(holder)
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["since"]))
-        return f"pid {record['pid']} on {record['host']}, since {since}"
-    except (ValueError, KeyError, TypeError):
-        return "its lock file names no holder yet"
+        holder = json.loads(record.read_text())
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"]))
+        return f"pid {holder['pid']} on {holder['host']}, since {since}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its holder left no record of itself"

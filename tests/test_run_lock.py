@@ -1,6 +1,6 @@
 """One coordinator a run folder (strategies/run_lock.py): a second one, in this process or
-another, is refused with the holder named and touches nothing; a holder killed outright
-(SIGKILL) leaves the folder free for the resume."""
+another, is refused with the holder named and touches nothing, even once the holder's record is
+deleted; a holder killed outright (SIGKILL) leaves the folder free for the resume."""
 
 import os
 import signal
@@ -36,18 +36,26 @@ def test_a_folder_held_by_a_process_killed_outright_is_free_again(tmp_path):
     finally:
         if holder.poll() is None:
             holder.kill()
-    release(hold_run_lock(tmp_path))  # the kernel let go of it with the process
-    assert (tmp_path / LOCK_FILE).exists()
+    assert (tmp_path / LOCK_FILE).exists()  # the killed holder's record stays behind...
+    lock = hold_run_lock(tmp_path)  # ...but the kernel let go of the lock with the process
+    assert f'"pid": {os.getpid()}' in (tmp_path / LOCK_FILE).read_text()
+    release(lock)
 
 
-def test_a_lock_file_that_names_no_holder_is_still_a_lock(tmp_path):
-    fd = hold_run_lock(tmp_path)
+def test_a_folder_whose_holder_record_was_deleted_or_cut_short_is_still_locked(tmp_path):
+    lock = hold_run_lock(tmp_path)
     try:
-        os.ftruncate(fd, 0)  # as a holder between its lock and its record
-        with pytest.raises(RunLockedError, match="names no holder"):
+        (tmp_path / LOCK_FILE).write_text('{"pid": 12')  # as a holder between its lock and its record
+        with pytest.raises(RunLockedError, match="left no record"):
             hold_run_lock(tmp_path)
+        (tmp_path / LOCK_FILE).unlink()  # a user tidying the folder while the run goes on
+        with pytest.raises(RunLockedError, match="left no record"):
+            hold_run_lock(tmp_path)
+        assert not (tmp_path / LOCK_FILE).exists()  # the refused one wrote nothing
     finally:
-        release(fd)
+        release(lock)
+    release(hold_run_lock(tmp_path))
+    assert not (tmp_path / LOCK_FILE).exists()  # a coordinator that let go takes its record along
 
 
 def test_a_second_coordinator_on_a_run_folder_is_refused_and_touches_nothing(tmp_path):
