@@ -73,3 +73,28 @@ def test_a_second_coordinator_on_a_run_folder_is_refused_and_touches_nothing(tmp
     # closed, it let go: the same run goes on in the same folder
     summary = run_coordinator(FakeGrid(3, client_app), cfg.replace(versions=2))
     assert summary["versions"] >= 2 and not summary["stop_reason"], summary["stop_reason"]
+
+
+def test_where_a_folder_cannot_be_locked_its_record_is_the_lock(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+    import stat
+
+    from fedrl.strategies import run_lock
+
+    real_flock = fcntl.flock
+
+    def flock(fd, operation):  # as NFS answers a lock on a descriptor not open for writing
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", flock)
+    lock = hold_run_lock(tmp_path)
+    try:
+        assert stat.S_ISREG(os.fstat(lock.fd).st_mode)
+        with pytest.raises(RunLockedError, match=f"pid {os.getpid()} on "):
+            hold_run_lock(tmp_path)
+    finally:
+        release(lock)
+    release(hold_run_lock(tmp_path))
