@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import model_validator
 
+from fedrl.bounds import at_least
 from fedrl.credentials import write_private
 from fedrl.schema import Schema
 from fedrl.signing import key_fingerprint
@@ -44,8 +45,7 @@ class NodeSettings(Schema):
     def _consistent(self):
         if self.ca_file and not Path(self.ca_file).is_file():
             raise ValueError(f"ca-file {self.ca_file!r} is not a readable file on this node")
-        if min(self.max_threads, self.upload_kbps, self.download_kbps) < 0:
-            raise ValueError("max-threads, upload-kbps and download-kbps must be >= 0")
+        at_least(self, 0, "max_threads", "upload_kbps", "download_kbps", label=lambda n: n.replace("_", "-"))
         return self
 
     def cap_bytes_s(self, kbps: float) -> float:

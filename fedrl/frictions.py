@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedrl.bounds import at_least
 from fedrl.models import LoadedModel
 from fedrl.rollout import Rollouts, rollout, score, token_logprobs
 from fedrl.tasks.base import Problem, Task
@@ -31,8 +32,7 @@ class Frictions:
         for name in ("bug_prob", "reward_noise_prob", "discovery_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a probability, got {getattr(self, name)}")
-        if self.staleness < 0 or self.logit_noise < 0:
-            raise ValueError("staleness and logit_noise must be >= 0")
+        at_least(self, 0, "staleness", "logit_noise")
 
 
 class StalenessBuffer:

@@ -21,6 +21,7 @@ from cryptography import x509
 from pydantic import model_validator
 
 from fedrl import __version__
+from fedrl.bounds import at_least
 from fedrl.credentials import CredentialError, invite_principal, token_expires, token_for
 from fedrl.protocol import LearnerSettings
 from fedrl.schema import OTHER_VERSION, PROTOCOL, SchemaError
@@ -69,8 +70,7 @@ class Invite(LearnerSettings):
             x509.load_pem_x509_certificate(self.ca_pem.encode())
         except ValueError:
             raise ValueError("ca_pem is not a PEM certificate") from None
-        if min(self.num_blocks, self.lora_rank, self.prompts, self.samples) < 1:
-            raise ValueError("num_blocks, lora_rank, prompts and samples must be >= 1")
+        at_least(self, 1, "num_blocks", "lora_rank", "prompts", "samples")
         return self
 
     def expired(self) -> str | None:

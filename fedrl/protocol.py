@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 from pydantic import model_validator
 
+from fedrl.bounds import at_least
 from fedrl.schema import Schema
 
 MESSAGE_TYPE = "train.block"
@@ -65,8 +66,7 @@ def check_learner(settings) -> None:
     get_task(s.task, **params)  # unknown tasks, parameters and values; tasks make their problems lazily
     if s.method not in LOSS_NAMES:
         raise ValueError(f"method must be one of {LOSS_NAMES}, got {s.method!r}")
-    if min(s.num_blocks, s.lora_rank, s.prompts, s.samples) < 1:
-        raise ValueError("num_blocks, lora_rank, prompts and samples must be >= 1")
+    at_least(s, 1, "num_blocks", "lora_rank", "prompts", "samples")
     for name in ("lr", "lora_alpha", "temperature"):
         if not 0 < getattr(s, name) < float("inf"):
             raise ValueError(f"{name} must be a finite number > 0, got {getattr(s, name)}")
@@ -134,8 +134,7 @@ class TrainInstruction(LearnerSettings):
             raise ValueError(
                 f"rest_s must be > 0 and finite in a rest notice and 0 otherwise, got {self.rest_s}"
             )
-        if self.steps < 0 or self.version < 0 or self.client_id < 0:
-            raise ValueError("steps, version and client_id must be >= 0")
+        at_least(self, 0, "steps", "version", "client_id")
         check_upload_density(self.upload_density, self.mode)
         check_wire_dtype(self.wire_dtype)
         if self.data_shards < 1:
@@ -238,10 +237,8 @@ class TrainReport(Schema):
     def _consistent(self):
         if self.upload_key and (len(self.upload_key) != 64 or set(self.upload_key) - set("0123456789abcdef")):
             raise ValueError("upload_key must be a SHA-256 hex digest")
-        if min(self.steps, self.bytes_up, self.bytes_down, self.upload_samples, self.sync_patches) < 0 or (
-            min(self.prompts, self.upload_steps) < 0
-        ):
-            raise ValueError("steps, bytes, samples, sync_patches, prompts and upload_steps must be >= 0")
+        at_least(self, 0, "steps", "bytes_up", "bytes_down", "upload_samples", "sync_patches", "prompts")
+        at_least(self, 0, "upload_steps")
         for name in ("compute_s", "comm_s", "overlap_s", "duration_s", "link_bytes_per_s", "memory_mb"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
@@ -275,8 +272,7 @@ class HardwareProbe(Schema):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if min(self.cores, self.threads, self.steps_per_round, self.prompts) < 1:
-            raise ValueError("cores, threads, steps_per_round and prompts must be >= 1")
+        at_least(self, 1, "cores", "threads", "steps_per_round", "prompts")
         for name in ("memory_mb", "memory_limit_mb", "step_s", "up_bytes_s", "down_bytes_s"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0")

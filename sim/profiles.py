@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 from pydantic import model_validator
 
+from fedrl.bounds import at_least
 from fedrl.schema import Schema, SchemaError
 from fedrl.sim.attacks import ATTACKS
 from fedrl.sim.link import LinkProfile
@@ -70,8 +71,7 @@ class ClientProfile(Schema):
                 raise ValueError(f"{name} is NaN")
         if self.speed <= 0 or self.up_bytes_s <= 0 or self.down_bytes_s <= 0 or self.online_s <= 0:
             raise ValueError("speed, bandwidths and online_s must be > 0")
-        if min(self.latency_s, self.offline_s, self.actor_staleness, self.logit_noise) < 0:
-            raise ValueError("latency_s, offline_s, actor_staleness and logit_noise must be >= 0")
+        at_least(self, 0, "latency_s", "offline_s", "actor_staleness", "logit_noise")
         if self.attack not in ATTACKS:
             raise ValueError(f"attack must be one of {ATTACKS}, got {self.attack!r}")
         for name in ("loss", "dropout", "bug_prob", "reward_noise_prob"):

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fedrl.bounds import at_least
+
 
 @dataclass(frozen=True)
 class AggregationConfig:
@@ -50,8 +52,9 @@ class AggregationConfig:
     def __post_init__(self):
         if self.robust not in ("mean", "trimmed-mean", "median"):
             raise ValueError(f"robust must be mean, trimmed-mean or median, got {self.robust!r}")
-        if self.alpha < 0 or self.max_staleness < 0 or not 0 <= self.trim_fraction < 0.5:
-            raise ValueError("alpha and max_staleness must be >= 0, trim_fraction in [0, 0.5)")
+        at_least(self, 0, "alpha", "max_staleness")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
         for name in ("clip_multiple", "refuse_multiple"):
             if not (getattr(self, name) == 0 or getattr(self, name) >= 1):
                 raise ValueError(f"{name} must be 0 (off) or >= 1, got {getattr(self, name)}")

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import field_validator, model_validator
 
+from fedrl.bounds import at_least
 from fedrl.models import check_model_spec, model_layers
 from fedrl.protocol import MODES, check_learner, check_upload_density, check_wire_dtype
 from fedrl.schema import Schema
@@ -137,14 +138,13 @@ class RunConfig(Schema):
             )
         self.aggregation()  # its own checks: alpha, max_staleness, the clip and refuse multiples, robust
         self.block_scheduler()  # and its: schedule, 1 <= min_steps <= base_steps <= max_steps, seed
-        at_least_one = ["versions", "buffer_size", "min_nodes", "eval_every", "anchor_every", "stall_replies"]
-        if min(getattr(self, name) for name in at_least_one) < 1:
-            raise ValueError(f"{', '.join(at_least_one)} must be >= 1")
-        nonnegative = ["max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"]
-        nonnegative += ["direction_probe", "direction_threshold", "direction_rest_cap"]
-        nonnegative += ["final_eval_size"]
-        if min(getattr(self, name) for name in nonnegative) < 0:
-            raise ValueError(f"{', '.join(nonnegative)} must be >= 0")
+        at_least(
+            self, 1, "versions", "buffer_size", "min_nodes", "eval_every", "anchor_every", "stall_replies"
+        )
+        at_least(
+            self, 0, "max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"
+        )
+        at_least(self, 0, "direction_probe", "direction_threshold", "direction_rest_cap", "final_eval_size")
         check_upload_density(self.upload_density, self.mode)
         if not 0 <= self.gate_tolerance <= 1:
             raise ValueError(f"gate_tolerance is a drop in mean reward, in [0, 1]; got {self.gate_tolerance}")

@@ -48,7 +48,7 @@ def test_profile_file_groups_and_mixes(tmp_path):
         ("[[client]]\nspeed = -1.0\n", "must be > 0"),
         ('[[client]]\nspeed = "fast"\n', "speed: Input should be a valid number"),
         ("[[client]]\ndropout = 1.5\n", r"dropout must be in \[0, 1\)"),
-        ("[[client]]\nactor_staleness = -2\n", "actor_staleness and logit_noise must be >= 0"),
+        ("[[client]]\nactor_staleness = -2\n", "actor_staleness must be >= 0, got -2"),
         ("[[client]]\nactor_staleness = 2.5\n", "actor_staleness: Input should be a valid integer"),
         ('[[client]]\nmix = "moon"\n', "unknown profile mix"),
         ('[[client]]\nmix = "mobile"\nspeed = 1.0\n', "only count and mix"),

@@ -1,0 +1,16 @@
+"""Lower bounds on settings, checked the one way: an error names each setting out of bounds and
+its value, not a list of every setting the check covers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def at_least(obj, least: float, *names: str, label: Callable[[str], str] = str) -> None:
+    """Raise ValueError unless every attribute `names` of `obj` is >= `least`; `label` spells a
+    name as its user writes it (`max-threads` for a node's `max_threads`)."""
+    low = [name for name in names if getattr(obj, name) < least]
+    if low:
+        raise ValueError(
+            "; ".join(f"{label(name)} must be >= {least}, got {getattr(obj, name)}" for name in low)
+        )
