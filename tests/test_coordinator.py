@@ -438,8 +438,10 @@ def test_norms_that_grow_for_everyone_are_followed_not_refused(tmp_path):
 def test_a_run_resumed_into_a_quiet_spell_keeps_its_peak_step(tmp_path):
     """The run's peak typical step is in its checkpoint: resumed where the recent norms had gone
     nearly silent (a collapsed policy's), updates of the run's usual size are measured against
-    half that peak, not refused as 1,000x the quiet median. A checkpoint without the peak (made
-    before it was kept) is refused so, until a window of new steps sets it again."""
+    half that peak, not refused as 1,000x the quiet median. After a checkpoint without the peak
+    (made before it was kept) such updates are refused so, and only one small enough for the quiet
+    median gets in, by chance (a CI run under load saw 200 refusals in a row, where the test used
+    to wait for a new version): that run is stopped after a few replies."""
     cfg = config(tmp_path, mode="block-sequential", sync=True, versions=5, refuse_multiple=10.0)
     first = run_coordinator(FakeGrid(4, client_app), cfg)
     assert first["counts"]["rejected"] == 0
@@ -454,9 +456,10 @@ def test_a_run_resumed_into_a_quiet_spell_keeps_its_peak_step(tmp_path):
         if not kept:
             del record["meta"]["step_peak"]
         manifest.write_text(json.dumps(record))
-        resumed = run_coordinator(FakeGrid(4, client_app), cfg.replace(versions=6))
+        resumed = run_coordinator(FakeGrid(4, client_app), cfg.replace(versions=6, stall_replies=8))
         refusals[kept] = [e for e in resumed["events"] if e["kind"] == "rejected" and e["cause"] == "norm"]
-        assert resumed["versions"] == 6
+        if kept:
+            assert resumed["versions"] == 6, (resumed["stop_reason"], resumed["counts"])
         for old in (tmp_path / "run" / "checkpoints").glob("ckpt-00000006.*"):
             old.unlink()  # the next try resumes from v5 again
         (tmp_path / "run" / "summary.json").unlink()
