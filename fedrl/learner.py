@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fedrl.bounds import at_least
 from fedrl.losses import LOSSES, PGBatch
 from fedrl.rollout import Rollouts, token_logprobs
 
@@ -27,8 +28,7 @@ class LearnerConfig:
     def __post_init__(self):
         if self.method not in LOSSES:
             raise ValueError(f"unknown method {self.method!r}; known: {sorted(LOSSES)}")
-        if self.micro_batch < 0:
-            raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
+        at_least(self, 0, "micro_batch")
 
 
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")  # torch.optim.Adam's per-parameter state

@@ -70,8 +70,7 @@ def check_learner(settings) -> None:
     for name in ("lr", "lora_alpha", "temperature"):
         if not 0 < getattr(s, name) < float("inf"):
             raise ValueError(f"{name} must be a finite number > 0, got {getattr(s, name)}")
-    if s.micro_batch < 0:
-        raise ValueError(f"micro_batch must be >= 0, got {s.micro_batch}")
+    at_least(s, 0, "micro_batch")
 
 
 class LearnerSettings(Schema):
@@ -137,8 +136,7 @@ class TrainInstruction(LearnerSettings):
         at_least(self, 0, "steps", "version", "client_id")
         check_upload_density(self.upload_density, self.mode)
         check_wire_dtype(self.wire_dtype)
-        if self.data_shards < 1:
-            raise ValueError(f"data_shards must be >= 1, got {self.data_shards}")
+        at_least(self, 1, "data_shards")
         if not -1 <= self.block < self.num_blocks or (self.block == -1) != (self.mode == "fedavg-lora"):
             raise ValueError(
                 f"block {self.block} does not fit mode {self.mode} with {self.num_blocks} blocks"
@@ -237,8 +235,8 @@ class TrainReport(Schema):
     def _consistent(self):
         if self.upload_key and (len(self.upload_key) != 64 or set(self.upload_key) - set("0123456789abcdef")):
             raise ValueError("upload_key must be a SHA-256 hex digest")
-        at_least(self, 0, "steps", "bytes_up", "bytes_down", "upload_samples", "sync_patches", "prompts")
-        at_least(self, 0, "upload_steps")
+        counts = ["steps", "bytes_up", "bytes_down", "upload_samples", "sync_patches"]
+        at_least(self, 0, *counts, "prompts", "upload_steps")
         for name in ("compute_s", "comm_s", "overlap_s", "duration_s", "link_bytes_per_s", "memory_mb"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):

@@ -141,10 +141,9 @@ class RunConfig(Schema):
         at_least(
             self, 1, "versions", "buffer_size", "min_nodes", "eval_every", "anchor_every", "stall_replies"
         )
-        at_least(
-            self, 0, "max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"
-        )
-        at_least(self, 0, "direction_probe", "direction_threshold", "direction_rest_cap", "final_eval_size")
+        nonnegative = ["max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"]
+        nonnegative += ["direction_probe", "direction_threshold", "direction_rest_cap", "final_eval_size"]
+        at_least(self, 0, *nonnegative)
         check_upload_density(self.upload_density, self.mode)
         if not 0 <= self.gate_tolerance <= 1:
             raise ValueError(f"gate_tolerance is a drop in mean reward, in [0, 1]; got {self.gate_tolerance}")

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fedrl.bounds import at_least
+
 POLICIES = ("cyclic", "random", "lru")
 MIN_STEP_S = 1e-6  # a floor on reported seconds per step
 
@@ -37,8 +39,7 @@ class BlockScheduler:
             raise ValueError(f"schedule must be one of {POLICIES}, got {self.policy!r}")
         if self.num_blocks < 1 or not 1 <= self.min_steps <= self.base_steps <= self.max_steps:
             raise ValueError("need num_blocks >= 1 and 1 <= min_steps <= base_steps <= max_steps")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        at_least(self, 0, "seed")
         self.last_update = self.last_update or [-1] * self.num_blocks
         self.in_flight = self.in_flight or [0] * self.num_blocks
         self._rng = np.random.default_rng(self.seed)

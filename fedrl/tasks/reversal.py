@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from fedrl.bounds import at_least
 from fedrl.tasks.base import Problem, check_client
 
 EVAL_SEED = 1_000_003
@@ -33,8 +34,7 @@ class ReversalTask:
     def __post_init__(self):
         if not 1 <= self.num_symbols <= 10:
             raise ValueError(f"num_symbols must be in [1, 10], got {self.num_symbols}")
-        if self.length < 1:
-            raise ValueError(f"length must be >= 1, got {self.length}")
+        at_least(self, 1, "length")
         if self.reward_kind not in ("first_error", "fraction"):
             raise ValueError(f"reward_kind must be 'first_error' or 'fraction', got {self.reward_kind!r}")
         if self.symbol_probs is not None and len(self.symbol_probs) != self.num_symbols:
