@@ -35,7 +35,12 @@ def orphaned(parent_pid: int) -> bool:
 
 def interrupt_when_orphaned(parent_pid: int, every_s: float = EVERY_S) -> threading.Thread:
     """A daemon thread that sends this process SIGINT once it is orphaned: Flower's SuperNode
-    then stops as on Ctrl-C."""
+    then stops as on Ctrl-C. Call it from the main thread."""
+    # a SIGINT ignored or blocked where this process was started (a shell script's background
+    # job ignores it, and so may a test runner) is inherited: the interrupt would then be lost
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     def watch() -> None:
         while not orphaned(parent_pid):

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import psutil
+import pytest
 from waiting import wait_for
 
 from fedrl.deploy.parent_watch import guarded, orphaned
@@ -25,10 +26,16 @@ except KeyboardInterrupt:  # the SIGINT it sent itself, as Flower's SuperNode ta
 """
 
 
-def test_a_watched_process_is_interrupted_once_its_starter_is_killed(tmp_path):
-    # the starter: a process that starts the child with its own pid, then waits to be killed
+@pytest.mark.parametrize("sigint", ["default", "ignored", "blocked"])
+def test_a_watched_process_is_interrupted_once_its_starter_is_killed(tmp_path, sigint):
+    # the starter: a process that starts the child with its own pid, then waits to be killed; a
+    # SIGINT it ignores or blocks (as a shell script's background job does) the child inherits
     starter_code = textwrap.dedent(f"""
-        import os, subprocess, sys, time
+        import os, signal, subprocess, sys, time
+        if {sigint!r} == "ignored":
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if {sigint!r} == "blocked":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT}})
         child = subprocess.Popen([sys.executable, "-c", {CHILD!r}, str(os.getpid()), sys.argv[1]])
         print(child.pid, flush=True)
         time.sleep(60)
