@@ -465,9 +465,12 @@ class Coordinator:
         self.scheduler.load_state_dict(meta["scheduler"])
         self.members.load_state_dict(meta.get("members", {"ids": []}))
         self.evals = meta.get("evals", [])
-        if isinstance(meta.get("recent_unit_norms"), list):  # older ones kept raw norms: dropped
+        # a window is kept only beside the peak that floors it: one saved in a quiet spell without
+        # its peak (as before the peak was kept) would refuse every update of the usual size, so
+        # such a run starts both again, as a new run does (older ones kept raw norms: dropped too)
+        if isinstance(meta.get("recent_unit_norms"), list) and "step_peak" in meta:
             self.recent_norms.extend(float(n) for n in meta["recent_unit_norms"])
-        self.step_peak = float(meta.get("step_peak", 0.0))  # older ones: set again as the run goes on
+        self.step_peak = float(meta.get("step_peak", 0.0))
         self.feedback_steps = {  # older checkpoints kept one running total
             (int(c), int(b)): self.feedback_rounds(n if isinstance(n, list) else [n])
             for c, b, n in meta.get("feedback_steps", [])

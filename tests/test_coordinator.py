@@ -435,13 +435,13 @@ def test_norms_that_grow_for_everyone_are_followed_not_refused(tmp_path):
     assert summary["versions"] == 8 and statistics.median(norms[7]) > 10 * statistics.median(norms[0])
 
 
-def test_a_run_resumed_into_a_quiet_spell_keeps_its_peak_step(tmp_path):
+def test_a_run_resumed_into_a_quiet_spell_is_not_stalled_by_it(tmp_path):
     """The run's peak typical step is in its checkpoint: resumed where the recent norms had gone
     nearly silent (a collapsed policy's), updates of the run's usual size are measured against
-    half that peak, not refused as 1,000x the quiet median. After a checkpoint without the peak
-    (made before it was kept) such updates are refused so, and only one small enough for the quiet
-    median gets in, by chance (a CI run under load saw 200 refusals in a row, where the test used
-    to wait for a new version): that run is stopped after a few replies."""
+    half that peak, not refused as 1,000x the quiet median. A checkpoint without the peak (made
+    before it was kept) has its quiet window dropped: the run starts both again, as a new run
+    does. Kept as it was, that window refused every update of the usual size (a CI run under load
+    saw 200 refusals in a row)."""
     cfg = config(tmp_path, mode="block-sequential", sync=True, versions=5, refuse_multiple=10.0)
     first = run_coordinator(FakeGrid(4, client_app), cfg)
     assert first["counts"]["rejected"] == 0
@@ -451,20 +451,20 @@ def test_a_run_resumed_into_a_quiet_spell_keeps_its_peak_step(tmp_path):
     peak = record["meta"]["step_peak"]
     assert 0 < peak <= max(norms), (peak, norms)
     record["meta"]["recent_unit_norms"] = [peak / 1000] * 64  # the quiet spell
-    refusals = {}
     for kept in (True, False):
         if not kept:
             del record["meta"]["step_peak"]
         manifest.write_text(json.dumps(record))
         resumed = run_coordinator(FakeGrid(4, client_app), cfg.replace(versions=6, stall_replies=8))
-        refusals[kept] = [e for e in resumed["events"] if e["kind"] == "rejected" and e["cause"] == "norm"]
-        if kept:
-            assert resumed["versions"] == 6, (resumed["stop_reason"], resumed["counts"])
+        assert resumed["versions"] == 6, (kept, resumed["stop_reason"], resumed["counts"])
+        refused = [e for e in resumed["events"] if e["kind"] == "rejected" and e["cause"] == "norm"]
+        assert not refused, (kept, refused)
+        resumed_ckpt = json.loads((tmp_path / "run" / "checkpoints" / "ckpt-00000006.json").read_text())
+        window = resumed_ckpt["meta"]["recent_unit_norms"]
+        assert (peak / 1000 in window) == kept, (kept, window)  # the quiet norms kept beside their peak only
         for old in (tmp_path / "run" / "checkpoints").glob("ckpt-00000006.*"):
             old.unlink()  # the next try resumes from v5 again
         (tmp_path / "run" / "summary.json").unlink()
-    assert not refusals[True], refusals[True]
-    assert refusals[False] and "x the median" in refusals[False][0]["reason"], refusals[False]
 
 
 def reversing_node(cfg, attacker: int, client_app):
