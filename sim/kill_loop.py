@@ -1,23 +1,28 @@
 """The coordinator killed with SIGKILL again and again, and resumed by running the same command.
 
 Each life of the run is a real `fedrl sim --engine local ... --set resume=true` process, killed
-with SIGKILL and started again. The lives take turns at where the kill lands: at a random
-moment within about one version's time after the life's first version and before its second
-(mostly while it waits for replies), and, through a failpoint (fedrl.failpoints), in the middle
-of an aggregation, of a checkpoint file's write, and of a publish, at its 2nd to 4th time
-there. The event log (`events.jsonl`, appended across lives) says what each life reached and
-where the next one resumed from: versions lost per kill is the last version announced before
-the kill minus the version resumed from. After the last kill the run goes to its end; its final
-metric is compared with an unkilled run of the same command and seed.
+with SIGKILL and started again. The lives are forked from a warm process (multiprocessing's
+forkserver) that has imported torch, transformers, peft, numba and matplotlib once: started
+cold, each life spent about 5 s of CPU on those imports, about as long as its work.
+
+The lives take turns at where the kill lands: at a random moment within about one version's
+time after the life's first version and before its second (mostly while it waits for replies),
+and, through a failpoint (fedrl.failpoints), in the middle of an aggregation, of a checkpoint
+file's write, and of a publish, at its 2nd to 4th time there.
+The event log (`events.jsonl`, appended across lives) says what each life reached and where the
+next one resumed from: versions lost per kill is the last version announced before the kill
+minus the version resumed from. After the last kill the run goes to its end; its final metric is
+compared with an unkilled run of the same command and seed.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
-import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,14 +35,38 @@ from fedrl.strategies.checkpoint import load_checkpoints
 PHASES = ("random", *failpoints.NAMES)  # where the kills land, in turn
 
 
-def command(run_dir: Path, clients: int, overrides: dict) -> list[str]:
+PRELOAD = ["torch", "transformers", "peft", "matplotlib.pyplot", "fedrl.patch_kernels", "fedrl.sim.runner"]
+
+
+def arguments(run_dir: Path, clients: int, overrides: dict) -> list[str]:
+    """The life's command after `fedrl`: the same for every life, resume on."""
     sets = [f"{k}={json.dumps(v)}" for k, v in {**overrides, "resume": True}.items()]
-    return [sys.executable, "-m", "fedrl.cli", "sim", "--engine", "local", "--clients", str(clients)] + [
-        "--out",
-        str(run_dir),
-        "--set",
-        *sets,
-    ]
+    return ["sim", "--engine", "local", "--clients", str(clients), "--out", str(run_dir), "--set", *sets]
+
+
+def life(argv: list[str], env: dict[str, str]) -> None:
+    """In the forked process: `fedrl <argv>` under `env`, its output discarded."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.environ.clear()
+    os.environ.update(env)
+    from tqdm import tqdm
+
+    # tqdm's default lock is a multiprocessing semaphore, which a killed life would leave to the
+    # resource tracker it shares with the loop (a warning per kill); a thread lock is enough here
+    tqdm.set_lock(threading.RLock())
+    from fedrl.cli.main import main
+
+    sys.exit(main(argv))
+
+
+def start_life(run_dir: Path, clients: int, overrides: dict, env: dict[str, str]) -> mp.process.BaseProcess:
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when the forkserver starts: at the first life
+    proc = context.Process(target=life, args=(arguments(run_dir, clients, overrides), env), daemon=True)
+    proc.start()
+    return proc
 
 
 def events_of(run_dir: Path) -> list[dict]:
@@ -51,13 +80,14 @@ def last_version(events: list[dict]) -> int:
 
 
 def run_to_end(run_dir: Path, clients: int, overrides: dict, timeout_s: float) -> dict:
-    subprocess.run(
-        command(run_dir, clients, overrides),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        timeout=timeout_s,
-        check=True,
-    )
+    proc = start_life(run_dir, clients, overrides, dict(os.environ))
+    proc.join(timeout_s)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise TimeoutError(f"the run in {run_dir} did not end within {timeout_s:.0f} s")
+    if proc.exitcode != 0:
+        raise RuntimeError(f"the run in {run_dir} exited with {proc.exitcode}")
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -79,15 +109,10 @@ def kill_loop(
         env.pop(failpoints.ENV, None)
         if phase != "random":
             env[failpoints.ENV] = f"{phase}:{int(rng.integers(2, 5))}"
-        proc = subprocess.Popen(
-            command(run_dir, clients, overrides),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=env,
-        )
+        proc = start_life(run_dir, clients, overrides, env)
         start, deadline = time.monotonic(), time.monotonic() + life_timeout_s
         kill_at = None  # random phase: a moment within `interval` after the life's first version
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.monotonic() < deadline and proc.is_alive():
             if phase == "random":
                 versions = sum(e["kind"] == "version" for e in events_of(run_dir)[seen:])
                 if versions and kill_at is None:
@@ -98,10 +123,11 @@ def kill_loop(
                     break
             time.sleep(0.05)
         killed_by = "failpoint"
-        if proc.poll() is None:  # the aimed moment (or a failpoint never reached before the deadline)
-            os.kill(proc.pid, signal.SIGKILL)
+        if proc.is_alive():  # the aimed moment (or a failpoint never reached before the deadline)
+            proc.kill()
             killed_by = "loop"
-        if proc.wait() == 0:  # the run ended before this kill: nothing left to kill, nor to rerun
+        proc.join()
+        if proc.exitcode == 0:  # the run ended before this kill: nothing left to kill, nor to rerun
             finished = True
             break
         life = events_of(run_dir)[seen:]
@@ -113,7 +139,7 @@ def kill_loop(
                 "kill": k + 1,
                 "phase": phase,
                 "failpoint": env.get(failpoints.ENV, ""),
-                "killed": proc.returncode == -signal.SIGKILL,
+                "killed": proc.exitcode == -signal.SIGKILL,
                 "killed_by": killed_by,
                 "resumed_from": resumed_from(life),
                 "reached": max(last_version(life), resumed_from(life)),
