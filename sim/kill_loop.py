@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import runpy
 import signal
 import sys
 import threading
@@ -56,9 +57,10 @@ def life(argv: list[str], env: dict[str, str]) -> None:
     # tqdm's default lock is a multiprocessing semaphore, which a killed life would leave to the
     # resource tracker it shares with the loop (a warning per kill); a thread lock is enough here
     tqdm.set_lock(threading.RLock())
-    from fedrl.cli.main import main
-
-    sys.exit(main(argv))
+    # the command runs as `python -m fedrl.cli` ran it, across the process boundary the lives
+    # had when they were started cold: the simulation layer does not import the CLI above it
+    sys.argv = ["fedrl", *argv]
+    runpy.run_module("fedrl.cli", run_name="__main__", alter_sys=True)
 
 
 def start_life(run_dir: Path, clients: int, overrides: dict, env: dict[str, str]) -> mp.process.BaseProcess:

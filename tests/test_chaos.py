@@ -39,7 +39,7 @@ def test_bench_chaos_at_tiny_size_loses_nothing_and_lets_no_nan_in(tmp_path):
 
     out = tmp_path / "chaos.json"
     argv = ["bench", "chaos", "--families", "byzantine", "--clients", "5", "--versions", "2"]
-    argv += ["--rules", "clip", "gate", "--seeds", "2"]
+    argv += ["--rules", "clip", "gate", "--seeds", "2", "--workers", "1"]  # the suite holds the cores
     assert main(argv + ["--attacks", "nan", "scale", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["byzantine_seeds"] == [0, 1] and result["overrides"] == {}
