@@ -4,6 +4,8 @@ Each life of the run is a real `fedrl sim --engine local ... --set resume=true` 
 with SIGKILL and started again. The lives are forked from a warm process (multiprocessing's
 forkserver) that has imported torch, transformers, peft, numba and matplotlib once: started
 cold, each life spent about 5 s of CPU on those imports, about as long as its work.
+Their output is appended to `lives.log` in the run folder; a life that exits with an error of
+its own (not SIGKILL) stops the loop with the end of that log.
 
 The lives take turns at where the kill lands: at a random moment within about one version's
 time after the life's first version and before its second (mostly while it waits for replies),
@@ -45,11 +47,17 @@ def arguments(run_dir: Path, clients: int, overrides: dict) -> list[str]:
     return ["sim", "--engine", "local", "--clients", str(clients), "--out", str(run_dir), "--set", *sets]
 
 
-def life(argv: list[str], env: dict[str, str]) -> None:
-    """In the forked process: `fedrl <argv>` under `env`, its output discarded."""
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
+LOG = "lives.log"  # every life's output, appended, beside its run's events
+
+
+def life(argv: list[str], env: dict[str, str], log: Path) -> None:
+    """In the forked process: `fedrl <argv>` under `env`, its output appended to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.write(out, f"\n--- a life of the run (pid {os.getpid()})\n".encode())  # after a killed one's cut line
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    for fd in (1, 2):
+        os.dup2(out, fd)
     os.environ.clear()
     os.environ.update(env)
     from tqdm import tqdm
@@ -66,9 +74,17 @@ def life(argv: list[str], env: dict[str, str]) -> None:
 def start_life(run_dir: Path, clients: int, overrides: dict, env: dict[str, str]) -> mp.process.BaseProcess:
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)  # read when the forkserver starts: at the first life
-    proc = context.Process(target=life, args=(arguments(run_dir, clients, overrides), env), daemon=True)
+    argv = arguments(run_dir, clients, overrides)
+    proc = context.Process(target=life, args=(argv, env, run_dir / LOG), daemon=True)
     proc.start()
     return proc
+
+
+def failed(run_dir: Path, exitcode: int) -> RuntimeError:
+    """A life that exited with an error of its own (not a kill): the run cannot go on."""
+    tail = (run_dir / LOG).read_text(errors="replace").splitlines()[-15:]
+    lines = "\n".join(f"  {line}" for line in tail)
+    return RuntimeError(f"the run in {run_dir} exited with {exitcode}; the end of {run_dir / LOG}:\n{lines}")
 
 
 def events_of(run_dir: Path) -> list[dict]:
@@ -89,7 +105,7 @@ def run_to_end(run_dir: Path, clients: int, overrides: dict, timeout_s: float) -
         proc.join()
         raise TimeoutError(f"the run in {run_dir} did not end within {timeout_s:.0f} s")
     if proc.exitcode != 0:
-        raise RuntimeError(f"the run in {run_dir} exited with {proc.exitcode}")
+        raise failed(run_dir, proc.exitcode)
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -132,6 +148,8 @@ def kill_loop(
         if proc.exitcode == 0:  # the run ended before this kill: nothing left to kill, nor to rerun
             finished = True
             break
+        if proc.exitcode > 0:
+            raise failed(run_dir, proc.exitcode)
         life = events_of(run_dir)[seen:]
         walls = [e["wall"] for e in life if e["kind"] == "version"]
         if len(walls) > 1:
