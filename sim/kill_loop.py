@@ -55,9 +55,11 @@ def life(argv: list[str], env: dict[str, str], log: Path) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.write(out, f"\n--- a life of the run (pid {os.getpid()})\n".encode())  # after a killed one's cut line
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    for fd in (1, 2):
-        os.dup2(out, fd)
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    for source, fd in ((nothing, 0), (out, 1), (out, 2)):
+        os.dup2(source, fd)
+    os.close(nothing)
+    os.close(out)
     os.environ.clear()
     os.environ.update(env)
     from tqdm import tqdm
