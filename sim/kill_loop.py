@@ -27,6 +27,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing import forkserver
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +83,20 @@ def start_life(run_dir: Path, clients: int, overrides: dict, env: dict[str, str]
     proc = context.Process(target=life, args=(argv, env, run_dir / LOG), daemon=True)
     proc.start()
     return proc
+
+
+@contextmanager
+def warm_lives() -> Iterator[None]:
+    """Lives started inside are forked from one warm process, which goes when the block ends: idle,
+    it kept about 500 MB resident (torch and the rest imported) until the process that used it exited.
+    multiprocessing has no public way to stop its forkserver; a Python without the private one
+    keeps it to the end, as before."""
+    try:
+        yield
+    finally:
+        stop = getattr(forkserver._forkserver, "_stop", None)
+        if stop is not None:
+            stop()
 
 
 def failed(run_dir: Path, exitcode: int) -> RuntimeError:

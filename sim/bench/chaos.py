@@ -253,7 +253,7 @@ def churn(base: RunConfig, clients: int, out: Path) -> list[dict]:
 
 
 def kill(base: RunConfig, clients: int, kills: int, seed: int, out: Path) -> list[dict]:
-    from fedrl.sim.kill_loop import PHASES, kill_loop, run_to_end
+    from fedrl.sim.kill_loop import PHASES, kill_loop, run_to_end, warm_lives
 
     overrides = {
         k: v
@@ -270,8 +270,9 @@ def kill(base: RunConfig, clients: int, kills: int, seed: int, out: Path) -> lis
         seed=seed,
     )
     print(f"[kill] {kills} SIGKILLs of a {clients}-client parablock run, then an unkilled one", flush=True)
-    result = kill_loop(out / "killed", kills, clients, overrides, seed=seed)
-    clean = run_to_end(out / "unkilled", clients, overrides, timeout_s=600)
+    with warm_lives():
+        result = kill_loop(out / "killed", kills, clients, overrides, seed=seed)
+        clean = run_to_end(out / "unkilled", clients, overrides, timeout_s=600)
     killed = json.loads((out / "killed" / "summary.json").read_text())
     return [
         row(
