@@ -1,5 +1,5 @@
 """The compose file's volunteer services, `invite` and `approver`, run for real without Docker
-(no engine runs here; deploy/compose-test.sh runs the rest of the file where one does). Their
+(the suite starts no engine; `VOLUNTEERS=V deploy/compose-test.sh` runs them in Docker). Their
 commands are rendered from docker-compose.yml as compose would, with the host-network settings
 of compose-test.sh, and each container path is mapped onto a folder of a real local deployment
 (a path that is not one of the service's volumes fails the test: the container would not see
