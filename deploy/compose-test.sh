@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 NODES=${NODES:-3}
 VOLUNTEERS=${VOLUNTEERS:-0}
 SUPERNODES=$(( NODES - VOLUNTEERS ))
+[ "$VOLUNTEERS" -ge 0 ] && [ "$SUPERNODES" -ge 0 ] || { echo "VOLUNTEERS must be 0 to NODES ($NODES), got $VOLUNTEERS" >&2; exit 2; }
 PROJECT=${PROJECT:-fedrlcompose}
 BASE=${BASE:-fedrl-base:bookworm}
 ROOTFS=${ROOTFS:-/var/tmp/fedrl-rootfs}
@@ -91,6 +92,7 @@ compose ps
 if [ "$VOLUNTEERS" -gt 0 ]; then
   say "$VOLUNTEERS volunteers join from this host"
   for _ in $(seq 120); do [ -s "$FEDRL_INVITES/invite.txt" ] && break; sleep 1; done
+  [ -s "$FEDRL_INVITES/invite.txt" ] || { echo "the invite service wrote no invite:"; compose logs --no-color invite | tail -n 20; exit 1; }
   for i in $(seq "$VOLUNTEERS"); do  # each in a session of its own: Ctrl-C reaches it alone
     setsid fedrl volunteer join "$FEDRL_INVITES/invite.txt" --home "$WORK/volunteer-$i" --max-cpu "$NODE_THREADS" \
       >"$WORK/volunteer-$i.log" 2>&1 &
