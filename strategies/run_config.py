@@ -49,7 +49,7 @@ class RunConfig(Schema):
     base_steps: int = 6  # local steps for a client of median speed
     min_steps: int = 1
     max_steps: int = 24
-    versions: int = 30  # stop after this many global versions
+    versions: int = 30  # ask for no more work after this many; what is in flight then makes one more
     buffer_size: int = 3  # async: aggregate after this many accepted updates
     max_staleness: int = 6
     alpha: float = 0.5
