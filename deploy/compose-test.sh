@@ -109,17 +109,18 @@ WARM=$(compose logs --no-color supernode 2>&1 | grep -c "warm ClientApp launcher
 echo "warm ClientApp launchers ready: $WARM of $SUPERNODES SuperNodes"
 compose ps
 for i in "${!VOLUNTEER_PIDS[@]}"; do  # the run is over: each withdraws with Ctrl-C, and must exit 0
-  pid=${VOLUNTEER_PIDS[$i]} log="$WORK/volunteer-$((i + 1)).log"
+  pid=${VOLUNTEER_PIDS[$i]} n=$((i + 1))
+  home="$WORK/volunteer-$n" log="$WORK/volunteer-$n.log"
   kill -INT "$pid"
   (sleep 120; kill -9 -- "-$pid") >/dev/null 2>&1 & watchdog=$!  # a withdrawal that hangs fails, killed
   rc=0; wait "$pid" || rc=$?
   kill "$watchdog" 2>/dev/null || true
-  grep -E "as node|left the federation" "$log" | tail -n 2 | sed "s/^/volunteer $((i + 1)): /"
+  grep -E "as node|left the federation" "$log" | tail -n 2 | sed "s/^/volunteer $n: /"
   [ "$rc" -eq 0 ] && grep -q "left the federation cleanly" "$log" \
-    || { echo "volunteer $((i + 1)) exited with $rc:"; tail -n 20 "$log"; exit 1; }
-  status=$(fedrl volunteer status --home "$WORK/volunteer-$((i + 1))")  # it trained: rounds done
-  grep -E "^  (rounds|ledger):" <<<"$status" | sed "s/^ /volunteer $((i + 1)):/"
-  grep -Eq "^  rounds: [1-9]" <<<"$status" || { echo "volunteer $((i + 1)) did no round: $status"; exit 1; }
+    || { echo "volunteer $n exited with $rc:"; tail -n 20 "$log"; exit 1; }
+  status=$(fedrl volunteer status --home "$home")  # it trained: rounds done
+  grep -E "^  (rounds|ledger):" <<<"$status" | sed "s/^ /volunteer $n:/"
+  grep -Eq "^  rounds: [1-9]" <<<"$status" || { echo "volunteer $n did no round: $status"; exit 1; }
 done
 VOLUNTEER_PIDS=()
 
