@@ -3,10 +3,13 @@ ClientApps, with a live status line, then summary.json, PNG plots and report.htm
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -45,16 +48,34 @@ def simulate(
     # on the real clock slow clients sleep, and a fractional CPU lets every client hold a worker.
     num_cpus = 1.0 if sim.clock == "virtual" else 2 / num_clients
     results: list[dict] = []
-    run_simulation(
-        server_app=make_server_app(cfg, sim, progress, results),
-        client_app=client_app,
-        num_supernodes=num_clients,
-        backend_config=ray_backend(num_cpus),
-    )
-    bar.close()
+    with handlers_kept(signal.SIGTERM, signal.SIGINT):
+        try:
+            run_simulation(
+                server_app=make_server_app(cfg, sim, progress, results),
+                client_app=client_app,
+                num_supernodes=num_clients,
+                backend_config=ray_backend(num_cpus),
+            )
+        finally:
+            bar.close()
     if not results:
         raise RuntimeError("the simulation ended without a summary (see the log above)")
     return results[0]
+
+
+@contextlib.contextmanager
+def handlers_kept(*signums: int) -> Iterator[None]:
+    """Puts back the caller's handlers of `signums` afterwards: `ray.init` installs a SIGTERM
+    handler of its own (it exits) in the process that starts Ray and leaves it there after the
+    simulation, so a program that ran one in-process lost its own."""
+    kept = {signum: signal.getsignal(signum) for signum in signums}
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():  # only there can handlers be set
+            for signum, handler in kept.items():
+                if handler is not None:  # None: set outside Python, nothing to put back
+                    signal.signal(signum, handler)
 
 
 def status_bar(cfg: RunConfig, sim: SimConfig, quiet: bool = False, file=None) -> tuple[tqdm, Callable]:

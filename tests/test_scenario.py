@@ -1,4 +1,5 @@
 import json
+import signal
 
 import pytest
 
@@ -90,8 +91,14 @@ down_bytes_s = 4e5
 latency_s = 0.05
 """)
     out = tmp_path / "out"
-    # `--set seed` runs that seed alone, in place of the scenario's (before, the scenario's seeds ran)
-    assert main(["sim", "--scenario", str(path), "--out", str(out), "--set", "seed=3"]) == 0
+    own = lambda signum, frame: None  # noqa: E731  a program's own handler, which Ray's must not replace
+    previous = signal.signal(signal.SIGTERM, own)
+    try:
+        # `--set seed` runs that seed alone, in place of the scenario's (before, the scenario's seeds ran)
+        assert main(["sim", "--scenario", str(path), "--out", str(out), "--set", "seed=3"]) == 0
+        assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert not list(out.glob("seed-*"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["seed"] == 3
