@@ -91,7 +91,10 @@ down_bytes_s = 4e5
 latency_s = 0.05
 """)
     out = tmp_path / "out"
-    own = lambda signum, frame: None  # noqa: E731  a program's own handler, which Ray's must not replace
+
+    def own(signum, frame):  # a program's own handler, which Ray's must not replace
+        pass
+
     previous = signal.signal(signal.SIGTERM, own)
     try:
         # `--set seed` runs that seed alone, in place of the scenario's (before, the scenario's seeds ran)
