@@ -124,6 +124,11 @@ def write_html(summary: dict, out: Path, images: list[str]) -> Path:
             if (final_set := summary.get("final_set_eval"))
             else []
         ),
+        *(
+            [("best held-out eval", f"{best['error']:.3f} at v{best['version']}: {best['adapter_dir']}")]
+            if (best := summary.get("best_adapter"))
+            else []
+        ),
         ("versions / client rounds", f"{summary['versions']} / {summary['rounds']}"),
         ("time on the run's clock", f"{summary['time_s']:.1f} s"),
         ("wall time of the coordinator", f"{summary.get('wall_s', float('nan')):.0f} s"),

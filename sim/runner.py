@@ -180,6 +180,10 @@ def main(args) -> int:
             f"wrote {run_out / 'report.html'} ({', '.join(p.name for p in files)}) in "
             f"{time.perf_counter() - start:.0f} s; the adapter: fedrl eval --adapter {summary['adapter_dir']}"
         )
+        best = summary["best_adapter"]
+        if best and best["version"] != summary["versions"]:  # the final version did not evaluate best
+            lowest = f"{best['error']:.3f} at v{best['version']}"
+            print(f"the held-out error was lowest, {lowest}, in the adapter {best['adapter_dir']}")
         if args.dashboard is not None:
             print(f"the dashboard closed with the run; `fedrl dashboard {run_out}` serves it again")
     return 0

@@ -73,6 +73,7 @@ from fedrl.strategies.aggregation import (
     rejection_reason,
     step_floor,
 )
+from fedrl.strategies.best_adapter import BEST_DIR, BestAdapter
 from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_checkpoints
 from fedrl.strategies.direction import DirectionCheck, NoTextAnswers, rest_rounds
 from fedrl.strategies.gate import VerificationGate
@@ -169,6 +170,7 @@ class Coordinator:
         self.out_dir = Path(cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.hold(self.out_dir)  # before anything in it is read or written
+        self.best = BestAdapter(self.out_dir / BEST_DIR)
         self.adapter = build_adapter_model(
             cfg.model, cfg.lora_rank, cfg.lora_alpha, cfg.num_blocks
         )  # our own instance
@@ -329,6 +331,8 @@ class Coordinator:
         cpu = time.process_time()
         self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
         result = greedy_eval(self.adapter.lm, self.task)
+        save = self.adapter.lm.model.save_pretrained  # the model holds the evaluated state
+        self.best.offer(result["error"], self.version, save, self.adapter_record())
         self.eval_cpu_s += time.process_time() - cpu
         wall_s = round(self.run_wall_s(), 1)
         spent = self.traffic()
@@ -342,6 +346,10 @@ class Coordinator:
         extra = {"format_error": result["format_error"]} if "format_error" in result else {}
         self.event("eval", metric="greedy_error", value=result["error"], **extra)
         return result["error"]
+
+    def adapter_record(self) -> dict:
+        """What an exported adapter was trained on, so that `fedrl eval --adapter DIR` needs nothing else."""
+        return dict(model=self.cfg.model, task=self.cfg.task, task_params=self.cfg.task_params)
 
     def evaluate_final_set(self) -> dict | None:
         """The final adapter on a larger held-out set (`final_eval_size` problems), if asked."""
@@ -465,6 +473,7 @@ class Coordinator:
         self.scheduler.load_state_dict(meta["scheduler"])
         self.members.load_state_dict(meta.get("members", {"ids": []}))
         self.evals = meta.get("evals", [])
+        self.best.resume()
         # a window is kept only beside the peak that floors it: one saved in a quiet spell without
         # its peak (as before the peak was kept) would refuse every update of the usual size, so
         # such a run starts both again, as a new run does (older ones kept raw norms: dropped too)
@@ -1117,9 +1126,7 @@ class Coordinator:
         self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
         adapter_dir = self.out_dir / "adapter"
         self.adapter.lm.model.save_pretrained(adapter_dir)
-        cfg = self.cfg  # what it was trained on, so that `fedrl eval --adapter DIR` needs nothing else
-        record = dict(model=cfg.model, task=cfg.task, task_params=cfg.task_params)
-        write_record(adapter_dir, **record, version=self.version, final_eval=final)
+        write_record(adapter_dir, **self.adapter_record(), version=self.version, final_eval=final)
         spent = self.spent()
         summary = {
             "config": self.cfg.model_dump(),
@@ -1152,6 +1159,7 @@ class Coordinator:
             "reputation": {str(k): round(self.reputation.weight(k), 4) for k in self.members.ids.values()},
             "events": self.events,
             "adapter_dir": str(adapter_dir),
+            "best_adapter": self.best.summary(),
         }
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

@@ -141,6 +141,8 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert resumed[0]["t"] >= carried[-1]["t"]
     assert second["rounds"] > first["rounds"] and second["bytes_up"] > first["bytes_up"]
     assert second["time_s"] > first["time_s"]
+    # the best-evaluated adapter is the best over both lives' evals
+    assert (second["best_adapter"]["error"], second["best_adapter"]["version"]) == best_of(evals)
     # so does each node's ledger: both lives' merged uploads, per node (the events file has both)
     for node, row in second["ledger"].items():
         lives = [first, second]
@@ -225,11 +227,23 @@ def test_exported_adapter_loads_with_peft_and_reproduces_the_final_eval(tmp_path
     from fedrl.rollout import greedy_error
     from fedrl.tasks import get_task
 
-    cfg = config(tmp_path, versions=2)
+    cfg = config(tmp_path, versions=2, eval_every=1)
     summary = run_coordinator(FakeGrid(3, client_app), cfg)
+    task = get_task("reversal", **json.loads(cfg.task_params))
     lm = load_model("tiny-base")
     lm.model = PeftModel.from_pretrained(lm.model, summary["adapter_dir"]).eval()
-    assert greedy_error(lm, get_task("reversal", **json.loads(cfg.task_params))) == summary["final_eval"]
+    assert greedy_error(lm, task) == summary["final_eval"]
+    # beside it, the version that evaluated best (the earliest of equals), which reproduces its error
+    best = summary["best_adapter"]
+    assert (best["error"], best["version"]) == best_of(summary["evals"])
+    lm = load_model("tiny-base")
+    lm.model = PeftModel.from_pretrained(lm.model, best["adapter_dir"]).eval()
+    assert greedy_error(lm, task) == best["error"]
+
+
+def best_of(evals: list[dict]) -> tuple[float, int]:
+    error = min(e["error"] for e in evals)
+    return error, next(e["version"] for e in evals if e["error"] == error)
 
 
 def test_a_second_run_in_the_same_process_starts_from_the_fresh_adapter(tmp_path):

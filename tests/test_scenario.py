@@ -118,6 +118,8 @@ latency_s = 0.05
     page = (out / "report.html").read_text()
     assert "staleness_histogram.png" in page and "small" in page
     assert "<th>uploads accepted</th>" in page and "fedrl/ledger.py" in page  # each client's ledger
+    best = summary["best_adapter"]
+    assert f"{best['error']:.3f} at v{best['version']}" in page  # the best-evaluated version's adapter
     # the exported adapter, evaluated with nothing but its folder: the run's final held-out error
     capsys.readouterr()
     assert main(["eval", "--adapter", summary["adapter_dir"]]) == 0
