@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from fedrl.blocks import BlockPartition
@@ -52,7 +53,9 @@ def add_lora(model, settings: LoraSettings = LoraSettings(), seed: int = 0):
         bias="none",
         task_type="CAUSAL_LM",
     )
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft reads transformers' deprecated `is_gradient_checkpointing` itself: nothing a user can act on
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         torch.manual_seed(seed)
         return get_peft_model(model, config)
 

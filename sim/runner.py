@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def simulate(
     # on the real clock slow clients sleep, and a fractional CPU lets every client hold a worker.
     num_cpus = 1.0 if sim.clock == "virtual" else 2 / num_clients
     results: list[dict] = []
-    with handlers_kept(signal.SIGTERM, signal.SIGINT):
+    with handlers_kept(signal.SIGTERM, signal.SIGINT), warnings.catch_warnings():
+        # Ray's tip that it will stop hiding GPUs from workers that ask for none: nothing to act on
+        warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
         try:
             run_simulation(
                 server_app=make_server_app(cfg, sim, progress, results),

@@ -1110,6 +1110,8 @@ class Coordinator:
             "time_s": loop_time,
         }
         final = self.evaluate()
+        if self.progress:  # the last draw shows the final eval, not the one before the replies in flight
+            self.progress(self)
         summary = self.finish(initial, final, self.evaluate_final_set())
         self.event("finished", initial_eval=initial, final_eval=final, stop_reason=self.stop_reason)
         if failure:  # results are saved; the caller still learns that the run failed

@@ -33,8 +33,8 @@ def eval_line(evaluation: dict, versions: int, clock: str, replies: int, refused
 
 
 class ProgressLog:
-    """The coordinator's `progress` hook (called after each version): a line for each held-out
-    evaluation made since the last call."""
+    """The coordinator's `progress` hook (called after each version, and once more after the final
+    evaluation): a line for each held-out evaluation made since the last call."""
 
     def __init__(self):
         self.logged = 0

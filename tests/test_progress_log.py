@@ -2,6 +2,7 @@
 per held-out evaluation, then the result and where it is; and a warning first when the run
 imports packages Flower installed for it instead of the user's own (fedrl.runtime_env)."""
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -34,8 +35,12 @@ def test_the_deployment_server_app_logs_each_eval_then_the_result(tmp_path, capl
     with caplog.at_level(logging.INFO, logger="fedrl"):
         make_server_app()(FakeGrid(2, client_app), context)
     lines = [r.getMessage() for r in caplog.records if r.name == "fedrl.progress"]
-    # versions 0, 2 and 4, each once, in order (each hook call logs only the evals it has not)
-    assert [line.split(":")[1] for line in lines[:-1]] == [f" version {v} of 4" for v in (0, 2, 4)], lines
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    # versions 0, 2 and 4, each once, in order (each hook call logs only the evals it has not),
+    # then the final eval, made once the replies in flight were merged
+    final = f" version {summary['versions']} of 4"
+    assert [line.split(":")[1] for line in lines[:-1]] == [f" version {v} of 4" for v in (0, 2, 4)] + [final]
+    assert f"held-out error {summary['final_eval']:.3f} at" in lines[-2]
     assert all("on the real clock" in line and "replies" in line for line in lines[:-1])
     assert lines[-1].startswith("fedrl: finished: held-out error ")
     assert lines[-1].endswith(f"summary in {(tmp_path / 'run' / 'summary.json').resolve()}")
