@@ -41,10 +41,12 @@ EVAL_DEFAULTS = {"model": "tiny-base", "task": "reversal", "task_params": "{}"}
 
 
 def cmd_eval(args) -> int:
-    from fedrl.adapter_record import read_record
+    from fedrl.adapter_record import check_adapter_dir, read_record
     from fedrl.protocol import check_json
     from fedrl.tasks import get_task
 
+    if args.adapter:
+        check_adapter_dir(args.adapter)
     # what is not given comes from the adapter's record (the run's model and task), else the defaults
     record = read_record(args.adapter) if args.adapter else {}
     for key, default in EVAL_DEFAULTS.items():

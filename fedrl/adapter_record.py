@@ -8,6 +8,18 @@ from pathlib import Path
 
 RECORD = "fedrl.json"
 FIELDS = ("model", "task", "task_params")
+FINAL_DIR, BEST_DIR = "adapter", "adapter-best"  # a run's output folder holds both (see best_adapter)
+
+
+def check_adapter_dir(path: str | Path) -> None:
+    """A clear error, before any model loads, for a folder that holds no PEFT adapter; a run's
+    output folder (the folder users tend to give) is answered with the adapters in it."""
+    path, config = Path(path), "adapter_config.json"
+    if (path / config).is_file():
+        return
+    inside = [str(path / name) for name in (FINAL_DIR, BEST_DIR) if (path / name / config).is_file()]
+    hint = f"; it is a run's output folder: give {' or '.join(inside)}" if inside else ""
+    raise ValueError(f"no PEFT adapter in {path} (no adapter_config.json there){hint}")
 
 
 def write_record(adapter_dir: str | Path, **record) -> None:

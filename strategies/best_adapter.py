@@ -14,8 +14,6 @@ from pathlib import Path
 
 from fedrl.adapter_record import RECORD, read_record, write_record
 
-BEST_DIR = "adapter-best"
-
 
 class BestAdapter:
     """PEFT files and a fedrl record (its `version` and `best_eval`) in `directory`, rewritten

@@ -25,7 +25,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.serde import message_to_proto
 
-from fedrl.adapter_record import write_record
+from fedrl.adapter_record import BEST_DIR, FINAL_DIR, write_record
 from fedrl.blocks import ALL_BLOCKS, adapter_difference
 from fedrl.clock import Clock, RealClock
 from fedrl.credentials import (
@@ -73,7 +73,7 @@ from fedrl.strategies.aggregation import (
     rejection_reason,
     step_floor,
 )
-from fedrl.strategies.best_adapter import BEST_DIR, BestAdapter
+from fedrl.strategies.best_adapter import BestAdapter
 from fedrl.strategies.checkpoint import Checkpointer, CheckpointError, load_checkpoints
 from fedrl.strategies.direction import DirectionCheck, NoTextAnswers, rest_rounds
 from fedrl.strategies.gate import VerificationGate
@@ -1126,7 +1126,7 @@ class Coordinator:
 
     def finish(self, initial: float, final: float, final_set: dict | None = None) -> dict:
         self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
-        adapter_dir = self.out_dir / "adapter"
+        adapter_dir = self.out_dir / FINAL_DIR
         self.adapter.lm.model.save_pretrained(adapter_dir)
         write_record(adapter_dir, **self.adapter_record(), version=self.version, final_eval=final)
         spent = self.spent()

@@ -56,3 +56,20 @@ def test_an_adapter_that_does_not_fit_the_model_is_one_line(adapter_dir, tmp_pat
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     said = f"the adapter in {tmp_path} does not fit model 'tiny' (it was trained on 'tiny'): size mismatch"
     assert said in err
+
+
+def test_a_folder_without_an_adapter_is_one_line_naming_a_run_folders_adapters(adapter_dir, tmp_path, capsys):
+    """Before: peft's "Can't find 'adapter_config.json'", also for the run folder that holds two."""
+    nowhere = tmp_path / "nowhere"
+    assert main(["eval", "--adapter", str(nowhere)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"fedrl eval: error: no PEFT adapter in {nowhere} (no adapter_config.json there)"
+    run = tmp_path / "run"
+    for name in ("adapter", "adapter-best"):
+        (run / name).mkdir(parents=True)
+        for f in adapter_dir.iterdir():
+            (run / name / f.name).write_bytes(f.read_bytes())
+    assert main(["eval", "--adapter", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"it is a run's output folder: give {run / 'adapter'} or {run / 'adapter-best'}"), err
+    assert main(["eval", "--adapter", str(run / "adapter-best")]) == 0  # what it names loads
