@@ -167,6 +167,7 @@ def cmd_deploy(args) -> int:
     from fedrl.deploy.federation import failure_of
     from fedrl.deploy.local import LocalDeployment
     from fedrl.live_line import LiveLine
+    from fedrl.strategies.best_adapter import best_adapter_note
 
     overrides = parse_overrides(args.set or [])
     if args.where == "node":
@@ -217,8 +218,11 @@ def cmd_deploy(args) -> int:
         summary = deployment.summary()
         print(
             f"held-out error {summary['initial_eval']:.3f} -> {summary['final_eval']:.3f} in "
-            f"{summary['versions']} versions; summary {deployment.run_dir / 'summary.json'}"
+            f"{summary['versions']} versions; summary {deployment.run_dir / 'summary.json'}; "
+            f"the adapter: fedrl eval --adapter {summary['adapter_dir']}"
         )
+        if note := best_adapter_note(summary):
+            print(note)
         return 0
     except KeyboardInterrupt:
         print("\nstopping every process of the deployment", file=sys.stderr)

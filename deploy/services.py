@@ -78,7 +78,15 @@ def submit(superlink: str, certs: Path, home: Path, nodes: int, config: dict, ti
         json.dumps(
             {
                 k: summary[k]
-                for k in ("initial_eval", "final_eval", "versions", "counts", "bytes_up", "bytes_down")
+                for k in (
+                    "initial_eval",
+                    "final_eval",
+                    "versions",
+                    "counts",
+                    "bytes_up",
+                    "bytes_down",
+                    "best_adapter",  # its folder is in the ServerApp's results volume
+                )
             }
         ),
         flush=True,

@@ -131,6 +131,7 @@ def ray_backend(cpus_per_client: float) -> dict:
 def main(args) -> int:
     from fedrl.sim.report import write_report
     from fedrl.sim.scenario import load_scenario
+    from fedrl.strategies.best_adapter import best_adapter_note
 
     if args.list:
         from fedrl.sim.scenario import shipped
@@ -183,10 +184,8 @@ def main(args) -> int:
             f"wrote {run_out / 'report.html'} ({', '.join(p.name for p in files)}) in "
             f"{time.perf_counter() - start:.0f} s; the adapter: fedrl eval --adapter {summary['adapter_dir']}"
         )
-        best = summary["best_adapter"]
-        if best and best["version"] != summary["versions"]:  # the final version did not evaluate best
-            lowest = f"{best['error']:.3f} at v{best['version']}"
-            print(f"the held-out error was lowest, {lowest}, in the adapter {best['adapter_dir']}")
+        if note := best_adapter_note(summary):
+            print(note)
         if args.dashboard is not None:
             print(f"the dashboard closed with the run; `fedrl dashboard {run_out}` serves it again")
     return 0

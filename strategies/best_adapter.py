@@ -51,3 +51,13 @@ class BestAdapter:
         if self.error is None:
             return None
         return {"version": self.version, "error": self.error, "adapter_dir": str(self.directory)}
+
+
+def best_adapter_note(summary: dict) -> str | None:
+    """The line that tells a run's user where its best adapter is, when the final version did not
+    evaluate best (else the final adapter is the one to take, and there is nothing to say)."""
+    best = summary.get("best_adapter")
+    if not best or best["version"] == summary["versions"]:
+        return None
+    lowest = f"{best['error']:.3f} at v{best['version']}"
+    return f"the held-out error was lowest, {lowest}, in the adapter {best['adapter_dir']}"

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from fedrl.adapter_record import RECORD, read_record
-from fedrl.strategies.best_adapter import BestAdapter
+from fedrl.strategies.best_adapter import BestAdapter, best_adapter_note
 
 RECORD_FIELDS = dict(model="tiny-base", task="reversal", task_params="{}")
 
@@ -61,3 +61,11 @@ def test_a_write_cut_short_leaves_no_record_that_describes_other_weights(tmp_pat
     resumed = BestAdapter(tmp_path)
     resumed.resume()
     assert resumed.summary() is None
+
+
+def test_the_note_names_the_best_adapter_only_when_it_is_not_the_final_version():
+    best = {"version": 3, "error": 0.25, "adapter_dir": "/r/adapter-best"}
+    said = best_adapter_note({"versions": 7, "best_adapter": best})
+    assert said == "the held-out error was lowest, 0.250 at v3, in the adapter /r/adapter-best"
+    assert best_adapter_note({"versions": 3, "best_adapter": best}) is None  # the final one is the best
+    assert best_adapter_note({"versions": 3, "best_adapter": None}) is None  # a run with no eval kept
