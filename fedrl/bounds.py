@@ -1,5 +1,5 @@
-"""Lower bounds on settings, checked the one way: an error names each setting out of bounds and
-its value, not a list of every setting the check covers."""
+"""Checks on settings, made the one way: an error names each setting out of bounds and its
+value, not a list of every setting the check covers."""
 
 from __future__ import annotations
 
@@ -14,3 +14,9 @@ def at_least(obj, least: float, *names: str, label: Callable[[str], str] = str) 
         raise ValueError(
             "; ".join(f"{label(name)} must be >= {least}, got {getattr(obj, name)}" for name in low)
         )
+
+
+def require(condition: bool, problem: str) -> None:
+    """Raise ValueError(problem) unless `condition`: one check of a list that is run in full."""
+    if not condition:
+        raise ValueError(problem)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import field_validator, model_validator
 
-from fedrl.bounds import at_least
+from fedrl.bounds import at_least, require
 from fedrl.models import check_model_spec, model_layers
 from fedrl.protocol import MODES, check_learner, check_upload_density, check_wire_dtype
 from fedrl.schema import Schema
@@ -127,39 +127,64 @@ class RunConfig(Schema):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        check_learner(self)
+        # every check runs, so that a config with several mistakes is told all of them at once
+        problems = []
+        for check in self._checks():
+            try:
+                check()
+            except ValueError as err:
+                problems.append(str(err))
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _checks(self) -> list[Callable[[], object]]:
+        nonnegative = ["max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"]
+        nonnegative += ["direction_probe", "direction_threshold", "direction_rest_cap", "final_eval_size"]
+        return [
+            lambda: require(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"),
+            lambda: check_learner(self),
+            self._check_model,
+            self.aggregation,  # its own checks: alpha, max_staleness, the clip and refuse multiples, robust
+            self.block_scheduler,  # and its: schedule, 1 <= min_steps <= base_steps <= max_steps, seed
+            lambda: at_least(
+                self, 1, "versions", "buffer_size", "min_nodes", "eval_every", "anchor_every", "stall_replies"
+            ),
+            lambda: at_least(self, 0, *nonnegative),
+            lambda: check_upload_density(self.upload_density, self.mode),
+            lambda: require(
+                0 <= self.gate_tolerance <= 1,
+                f"gate_tolerance is a drop in mean reward, in [0, 1]; got {self.gate_tolerance}",
+            ),
+            lambda: require(
+                -1 <= self.monitor_port <= 65535,
+                f"monitor_port must be -1 (off), 0 (any free port) or a port, got {self.monitor_port}",
+            ),
+            lambda: require(
+                min(self.deadline_s, self.watchdog_s, self.node_wait_s) > 0,
+                "deadline_s, watchdog_s and node_wait_s must be > 0",
+            ),
+            lambda: require(
+                not self.store_url or bool(self.store_secret_file),
+                "store_url needs store_secret_file (the secret the standalone store was given)",
+            ),
+            lambda: require(
+                not self.store_url or self.store_url.startswith(("http://", "https://")),
+                f"store_url must start with http:// or https://, got {self.store_url!r}",
+            ),
+            lambda: check_wire_dtype(self.wire_dtype),
+            lambda: check_direction(
+                self.direction_test, self.direction_false_refusal, self.direction_weighting
+            ),
+        ]
+
+    def _check_model(self) -> None:
         check_model_spec(self.model)  # a typo used to fail once the coordinator loaded it, 17 s in
         layers = model_layers(self.model)  # more blocks than layers failed once the coordinator built them
         if layers is not None and self.num_blocks > layers:
             raise ValueError(
                 f"num_blocks={self.num_blocks}, but {self.model} has {layers} layers (one or more a block)"
             )
-        self.aggregation()  # its own checks: alpha, max_staleness, the clip and refuse multiples, robust
-        self.block_scheduler()  # and its: schedule, 1 <= min_steps <= base_steps <= max_steps, seed
-        at_least(
-            self, 1, "versions", "buffer_size", "min_nodes", "eval_every", "anchor_every", "stall_replies"
-        )
-        nonnegative = ["max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"]
-        nonnegative += ["direction_probe", "direction_threshold", "direction_rest_cap", "final_eval_size"]
-        at_least(self, 0, *nonnegative)
-        check_upload_density(self.upload_density, self.mode)
-        if not 0 <= self.gate_tolerance <= 1:
-            raise ValueError(f"gate_tolerance is a drop in mean reward, in [0, 1]; got {self.gate_tolerance}")
-        if not -1 <= self.monitor_port <= 65535:
-            raise ValueError(
-                f"monitor_port must be -1 (off), 0 (any free port) or a port, got {self.monitor_port}"
-            )
-        if self.deadline_s <= 0 or self.watchdog_s <= 0 or self.node_wait_s <= 0:
-            raise ValueError("deadline_s, watchdog_s and node_wait_s must be > 0")
-        if self.store_url and not self.store_secret_file:
-            raise ValueError("store_url needs store_secret_file (the secret the standalone store was given)")
-        if self.store_url and not self.store_url.startswith(("http://", "https://")):
-            raise ValueError(f"store_url must start with http:// or https://, got {self.store_url!r}")
-        check_wire_dtype(self.wire_dtype)
-        check_direction(self.direction_test, self.direction_false_refusal, self.direction_weighting)
-        return self
 
     def aggregation(self) -> AggregationConfig:
         return AggregationConfig(

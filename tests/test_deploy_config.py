@@ -52,6 +52,26 @@ def test_run_config_refuses_unknown_keys_and_takes_ints_for_floats():
         run_config({"no-such-key": 1})
 
 
+def test_a_run_config_with_several_mistakes_is_told_all_of_them_at_once():
+    """Before: the first check that failed, then the next once it was fixed, and so on."""
+    bad = {"mode": "ring", "lr": -1.0, "buffer_size": 0, "wire_dtype": "int7", "gate_tolerance": 2.0}
+    with pytest.raises(ValueError) as err:
+        RunConfig.parse(bad, "run config")
+    said = str(err.value)
+    assert said.startswith("run config: ") and "\n" not in said
+    told = ["mode must be one of", "lr must be a finite number > 0", "buffer_size must be >= 1, got 0"]
+    told += ["wire_dtype must be one of", "gate_tolerance is a drop in mean reward"]
+    assert [problem in said for problem in told] == [True] * len(told), said
+    fixed = {
+        "mode": "parablock",
+        "lr": 1e-4,
+        "buffer_size": 1,
+        "wire_dtype": "bfloat16",
+        "gate_tolerance": 0.5,
+    }
+    RunConfig.parse(fixed)  # each fixed: none left
+
+
 def test_a_busy_port_and_a_missing_ca_are_clear_errors(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
