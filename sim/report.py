@@ -49,6 +49,19 @@ def write_report(summary: dict, out: Path) -> list[Path]:
             color="C3",
             label="held-out format errors (no answer stated)",
         )
+    best = summary.get("best_adapter")
+    kept = next(
+        (e for e in evals if best and (e["version"], e["error"]) == (best["version"], best["error"])), None
+    )
+    if kept:  # the eval whose adapter the run kept in adapter-best
+        ax.plot(
+            [kept["t"]],
+            [kept["error"]],
+            "*",
+            color="C2",
+            ms=14,
+            label=f"kept in adapter-best (v{kept['version']})",
+        )
     trained = [e for e in replies if e.get("steps", 1) > 0]  # a flush reply trains nothing: no reward
     if trained:
         t = np.array([e["t"] for e in trained])

@@ -356,6 +356,7 @@ class Coordinator:
         if not self.cfg.final_eval_size:
             return None
         task = dataclasses.replace(self.task, num_eval=self.cfg.final_eval_size)
+        self.adapter.part.set_all(self.adapter.lm.model, self.global_state)  # a probe may have set others
         result = {"problems": self.cfg.final_eval_size, **greedy_eval(self.adapter.lm, task)}
         self.event("eval", metric="greedy_error_final_set", value=result["error"])
         return result
@@ -1109,7 +1110,8 @@ class Coordinator:
             "cpu_s": time.process_time() - loop_cpu - (self.eval_cpu_s - loop_eval_cpu),
             "time_s": loop_time,
         }
-        final = self.evaluate()
+        # the final version's error; its eval is made already when eval_every divided its number
+        final = self.evals[-1]["error"] if self.evals[-1]["version"] == self.version else self.evaluate()
         if self.progress:  # the last draw shows the final eval, not the one before the replies in flight
             self.progress(self)
         summary = self.finish(initial, final, self.evaluate_final_set())
