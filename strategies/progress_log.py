@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from fedrl.runtime_env import runtime_env_warning
+from fedrl.strategies.best_adapter import best_adapter_note
 
 log = logging.getLogger("fedrl.progress")
 
@@ -48,8 +49,9 @@ class ProgressLog:
 
 def finished_line(summary: dict, results: str) -> str:
     stopped = f" (stopped early: {summary['stop_reason']})" if summary.get("stop_reason") else ""
+    best = f"; {note}" if (note := best_adapter_note(summary)) else ""
     return (
         f"fedrl: finished: held-out error {summary['initial_eval']:.3f} -> {summary['final_eval']:.3f} "
         f"in {summary['versions']} versions, {summary['time_s']:.1f} s on the {summary['clock']} clock"
-        f"{stopped}; {results}"
+        f"{stopped}; {results}{best}"
     )

@@ -4,6 +4,7 @@ pyproject's [tool.flwr.app]. As the README says to run it: with
 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1, so the run uses this install, not packages
 Flower would fetch for it. The SuperLink the CLI leaves running is stopped here."""
 
+import json
 import os
 import re
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 from fedrl.deploy.federation import tool
 from fedrl.ports import free_port
 from fedrl.runtime_env import DISABLE
+from fedrl.strategies.best_adapter import best_adapter_note
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,8 +52,10 @@ def test_flwr_run_streams_the_runs_progress_and_writes_its_report(tmp_path):
         finished = [line for line in said.splitlines() if line.startswith("fedrl: finished: held-out error")]
         assert len(finished) == 1, said[-3000:]
         out = out.resolve()  # the line names it absolute
-        assert finished[0].endswith(f"report {out / 'report.html'}, adapter {out / 'adapter'}"), finished
         assert (out / "report.html").exists() and (out / "summary.json").exists()
+        files = f"report {out / 'report.html'}, adapter {out / 'adapter'}"
+        note = best_adapter_note(json.loads((out / "summary.json").read_text()))  # when not the final
+        assert finished[0].endswith(files + (f"; {note}" if note else "")), finished
         assert "installed for it from the package index" not in said  # this install, as asked
     finally:
         for proc in superlinks_of(home):

@@ -14,6 +14,7 @@ from flwr.app import Context, RecordDict
 
 from fedrl.clients.client_app import app as client_app
 from fedrl.runtime_env import DISABLE, installed_for_the_run, runtime_env_warning
+from fedrl.strategies.best_adapter import best_adapter_note
 from fedrl.strategies.progress_log import eval_line, finished_line
 
 
@@ -43,7 +44,8 @@ def test_the_deployment_server_app_logs_each_eval_then_the_result(tmp_path, capl
     assert f"held-out error {summary['final_eval']:.3f} at" in lines[-2]
     assert all("on the real clock" in line and "replies" in line for line in lines[:-1])
     assert lines[-1].startswith("fedrl: finished: held-out error ")
-    assert lines[-1].endswith(f"summary in {(tmp_path / 'run' / 'summary.json').resolve()}")
+    said = f"summary in {(tmp_path / 'run' / 'summary.json').resolve()}"
+    assert lines[-1].endswith(said + (f"; {note}" if (note := best_adapter_note(summary)) else "")), lines[-1]
     assert (tmp_path / "run" / "summary.json").exists()  # where the line says
 
 
@@ -60,6 +62,9 @@ def test_the_lines_say_the_figures():
     )
     stalled = finished_line({**summary, "stop_reason": "every reply refused"}, "x")
     assert "clock (stopped early: every reply refused); x" in stalled
+    best = {"version": 9, "error": 0.125, "adapter_dir": "/r/adapter-best"}  # not the final version
+    swung = finished_line({**summary, "best_adapter": best}, "x")
+    assert swung.endswith("; x; the held-out error was lowest, 0.125 at v9, in the adapter /r/adapter-best")
 
 
 def test_a_module_from_an_environment_activated_over_the_interpreters_own_is_told_apart(tmp_path):
