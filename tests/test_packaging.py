@@ -19,15 +19,17 @@ NOT_SHIPPED = {"deploy/compose-test.sh", "deploy/compose.host.yml", "deploy/prom
 NOT_SHIPPED |= {"deploy/prometheus.sh"}  # the compose stack's, run from the repository
 
 
+def files_under(folder: str) -> list[Path]:
+    return [p for p in (REPO / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+
+
 def source_files() -> dict[str, Path]:
     """Each source file under a package folder, keyed by where the wheel must hold it."""
-    folders = {folder: package.replace(".", "/") for package, folder in SETUPTOOLS["package-dir"].items()}
     files = {}
-    for folder, inside in folders.items():
-        for path in (REPO / folder).rglob("*"):
-            relative = path.relative_to(REPO).as_posix()
-            if path.is_file() and "__pycache__" not in path.parts and relative not in NOT_SHIPPED:
-                files[f"{inside}/{path.relative_to(REPO / folder).as_posix()}"] = path
+    for package, folder in SETUPTOOLS["package-dir"].items():
+        for path in files_under(folder):
+            if path.relative_to(REPO).as_posix() not in NOT_SHIPPED:
+                files[f"{package.replace('.', '/')}/{path.relative_to(REPO / folder).as_posix()}"] = path
     return files
 
 
@@ -39,11 +41,10 @@ def wheel(tmp_path_factory) -> Path:
     for name in ("pyproject.toml", "README.md"):
         (src / name).write_bytes((REPO / name).read_bytes())
     for folder in set(SETUPTOOLS["package-dir"].values()):
-        for path in (REPO / folder).rglob("*"):
-            if path.is_file() and "__pycache__" not in path.parts:
-                target = src / path.relative_to(REPO)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(path.read_bytes())
+        for path in files_under(folder):  # all of it: a package-data glob that takes too much shows
+            target = src / path.relative_to(REPO)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
     build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, src]
     done = subprocess.run(build, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
