@@ -369,6 +369,11 @@ def test_bench_methods_runs_the_real_federation_per_method(tmp_path):
         )
         assert summary["config"]["method"] == run["method"] and summary["config"]["model"] == "tiny-gpt-base"
     assert set(data["summary"]) == {"dg", "ppo"} and out.with_suffix(".png").exists()
+    # both invocations ran seed 1: pooled, it would count twice
+    from fedrl.sim.bench.methods_pool import PoolError, pool
+
+    with pytest.raises(PoolError, match=f"dg seed 1 is in both {out} and {alone}"):
+        pool([out, alone], None)
 
 
 @pytest.mark.parametrize("bench", ["overlap", "pulse", "scale"])

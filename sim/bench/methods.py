@@ -38,6 +38,7 @@ from fedrl.sim.scenario import load_scenario
 from fedrl.sim.simulated_server import SimConfig, split_config
 
 METHODS = ("dg", "ppo", "reinforce")
+DEFAULT_TARGET = 0.15
 
 
 def volunteer_frictions(args) -> list[tuple[str, float, dict]]:
@@ -97,7 +98,11 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--clients", type=integer(1), help="clients (default 8; quick 4)")
     parser.add_argument("--budget-s", type=float, help="virtual seconds per run (default 60; quick 10)")
-    parser.add_argument("--target", type=float, default=0.15, help="held-out greedy error to reach")
+    parser.add_argument(
+        "--target",
+        type=float,
+        help=f"held-out greedy error to reach (default {DEFAULT_TARGET}; with --pool: the files' own)",
+    )
     parser.add_argument("--buggy", type=SHARE, default=0.25, help="share of clients with buggy actors")
     parser.add_argument("--noisy", type=SHARE, default=0.25, help="share of clients with noisy rewards")
     parser.add_argument("--stale", type=SHARE, default=0.0, help="share of clients whose actor lags")
@@ -146,6 +151,18 @@ def add_arguments(parser) -> None:
     )
     add_set_argument(parser)
     add_workers_argument(parser)
+    parser.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: pool the runs of these files (one setting, other seeds) into one table, "
+        "read at their target or --target; only --target and --out apply",
+    )
+
+
+def target_of(args) -> float:
+    """The target a run stops at (`--target` is left unset so that `--pool` can tell)."""
+    return DEFAULT_TARGET if args.target is None else args.target
 
 
 def friction_setup(args) -> tuple:
@@ -154,7 +171,14 @@ def friction_setup(args) -> tuple:
     budget = args.budget_s or (10.0 if args.quick else 60.0)
     overrides = parse_overrides(args.set)
     base = bench_run_config(
-        clients, budget, args.target, args.quick, model=args.model, lr=args.lr, deadline_s=20.0, eval_every=1
+        clients,
+        budget,
+        target_of(args),
+        args.quick,
+        model=args.model,
+        lr=args.lr,
+        deadline_s=20.0,
+        eval_every=1,
     ).replace(**overrides)
 
     def sim_for(seed: int) -> SimConfig:
@@ -218,7 +242,9 @@ def run_case(case: dict) -> dict:
 
 
 def main(args) -> int:
-    seeds = args.seeds or (1 if args.quick else 3)
+    if args.pool:
+        return main_pool(args)
+    seeds, target = args.seeds or (1 if args.quick else 3), target_of(args)
     base, clients, sim_for, setting, budget = (scenario_setup if args.scenario else friction_setup)(args)
     runs = runs_dir(args.out)
     start = time.perf_counter()
@@ -230,36 +256,40 @@ def main(args) -> int:
         cfg = base.replace(method=method, seed=seed, out_dir=str(runs / f"{method}-seed{seed}"), resume=False)
         sim = sim_for(seed)
         sim = sim.replace(step_s=step_s or sim.step_s)
-        return {"cfg": cfg, "sim": sim, "clients": clients, "engine": args.engine, "target": args.target}
+        return {"cfg": cfg, "sim": sim, "clients": clients, "engine": args.engine, "target": target}
 
     order = [(seed, method) for seed in range(args.seed, args.seed + seeds) for method in args.methods]
     workers = side_by_side(args.workers, sim_for(0).clock, args.engine)
     results, step_s = run_with_one_unit(run_case, case_for, order, args.step_s, workers, "bench methods")
-    summary = {m: method_summary([r for r in results if r["method"] == m]) for m in args.methods}
+    header = {"quick": args.quick, "clients": clients, "budget": budget, **setting, "step_s": step_s}
+    return report(results, target, header, args.out, wall_s=time.perf_counter() - start)
+
+
+def main_pool(args) -> int:
+    from fedrl.sim.bench.methods_pool import pool
+
+    if Path(args.out).resolve() in {Path(p).resolve() for p in args.pool}:
+        raise ValueError(f"--out {args.out} is one of the files to pool: give another path")
+    setting, target, results = pool(args.pool, args.target)
+    print(f"{len(results)} runs pooled from {len(args.pool)} files, read at {target}")
+    return report(results, target, setting, args.out, pooled_from=[str(p) for p in args.pool])
+
+
+def report(results: list[dict], target: float, header: dict, out: str | Path, **extra) -> int:
+    """Each method's summary and its figures against DG, printed and written as JSON (the runs'
+    shared settings in `header`) with a plot beside it: a run's or a pool's (`--pool`)."""
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    summary = {m: method_summary([r for r in results if r["method"] == m]) for m in methods}
     against = against_dg(summary, results)
-    out = write_json(
-        {
-            "benchmark": "methods",
-            "quick": args.quick,
-            "target": args.target,
-            "clients": clients,
-            "budget": budget,
-            **setting,
-            "step_s": step_s,
-            "wall_s": time.perf_counter() - start,
-            "summary": summary,
-            "against_dg": against,
-            "runs": results,
-        },
-        args.out,
-    )
-    if args.scenario:
-        title = f"{setting['scenario']}: the federation's own staleness"
+    data = {"benchmark": "methods", "target": target, **header, **extra}
+    out = write_json({**data, "summary": summary, "against_dg": against, "runs": results}, out)
+    if "scenario" in header:
+        title = f"{header['scenario']}: the federation's own staleness"
     else:
-        shares = [f"{v['share']:.0%} {k}" for k, v in setting["frictions"].items() if v["share"]]
+        shares = [f"{v['share']:.0%} {k}" for k, v in header["frictions"].items() if v["share"]]
         title = f"federated RL, volunteers {', '.join(shares) or 'without frictions'}: loss by loss"
-    plot(results, args.target, out.with_suffix(".png"), title)
-    print(table(summary, seeds))
+    plot(results, target, out.with_suffix(".png"), title)
+    print(table(summary, len({r["seed"] for r in results})))
     print(against_table(against))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

@@ -1,0 +1,102 @@
+"""`fedrl bench methods --pool A.json B.json ...`: the runs of several invocations as one.
+
+Seeds of one setting are often run in several invocations (three at a time, on two machines,
+one stop after another); their figures then belong together: the means, the per-seed ratios and
+the interval over all the seeds. Pooling re-reads every run from its own curve, at the files'
+target or at another one (`--target`), and refuses what would mix unlike runs: other settings,
+a seed of a method twice, a run that stopped before the target it is read at.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fedrl.sim.bench.async_rounds import time_to_stay, time_to_target
+from fedrl.sim.bench.methods import samples_to_target
+
+# what differs between invocations of one setting without making their runs unlike
+PER_INVOCATION = {"target", "wall_s", "summary", "against_dg", "runs", "pooled_from"}
+
+
+class PoolError(ValueError):
+    """The files cannot be pooled; the message says which and why."""
+
+
+def load(path: str | Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise PoolError(f"{path}: not readable as JSON ({e})") from None
+    if (
+        not isinstance(data, dict)
+        or data.get("benchmark") != "methods"
+        or not isinstance(data.get("runs"), list)
+    ):
+        raise PoolError(f"{path}: not a `fedrl bench methods` JSON")
+    return data
+
+
+def shared_setting(files: dict[str, dict]) -> dict:
+    """What every file was run with (model, frictions, budget, clients, step_s, overrides, ...)."""
+    (first, setting), *rest = (
+        (p, {k: v for k, v in d.items() if k not in PER_INVOCATION}) for p, d in files.items()
+    )
+    for path, other in rest:
+        if other != setting:
+            keys = sorted(k for k in setting.keys() | other.keys() if setting.get(k) != other.get(k))
+            differ = "; ".join(
+                f"{k}: {setting.get(k)!r} in {first}, {other.get(k)!r} in {path}" for k in keys
+            )
+            raise PoolError(
+                f"the files were run with other settings ({differ}): pool runs of one setting only"
+            )
+    return setting
+
+
+def reread(run: dict, target: float, ran_to: float | None, path: str) -> dict:
+    """The run's figures at `target`, from its curve. A run stopped at the first eval at or under
+    the target it ran to (`ran_to`; None: a scenario's runs, which go on), so below that target
+    its curve ends early unless it had already got there."""
+    curve = run["curve"]
+    samples = samples_to_target(curve, target)
+    stopped_early = ran_to is not None and target < ran_to and run["samples_to_target"] is not None
+    if samples is None and stopped_early:
+        raise PoolError(
+            f"{path}: {run['method']} seed {run['seed']} stopped at its target {ran_to} before reaching "
+            f"{target}, so it cannot be read there: pool at a target of {ran_to} or above"
+        )
+    evals = [{"t": t, "error": error} for t, _, error in curve]
+    return {
+        **run,
+        "samples_to_target": samples,
+        "time_to_target_s": time_to_target(evals, target),
+        "time_to_stay_s": time_to_stay(evals, target),
+    }
+
+
+def pool(paths: list[str], target: float | None) -> tuple[dict, float, list[dict]]:
+    """(the shared setting, the target read at, every run re-read there) of the files at `paths`."""
+    files = {str(p): load(p) for p in paths}
+    if len(files) < 2:
+        raise PoolError("give two or more files to pool (each once)")
+    setting = shared_setting(files)
+    targets = sorted({d["target"] for d in files.values()})
+    if target is None:
+        if len(targets) > 1:
+            raise PoolError(
+                f"the files ran to different targets ({', '.join(map(str, targets))}): give --target"
+            )
+        target = targets[0]
+    seen: dict[tuple[str, int], str] = {}
+    runs = []
+    for path, data in files.items():
+        ran_to = None if "scenario" in data else data["target"]
+        for run in data["runs"]:
+            key = (run["method"], run["seed"])
+            if key in seen:
+                raise PoolError(f"{run['method']} seed {run['seed']} is in both {seen[key]} and {path}")
+            seen[key] = path
+            runs.append(reread(run, target, ran_to, path))
+    runs.sort(key=lambda r: r["seed"])  # stable: each seed's methods stay in their order
+    return setting, target, runs

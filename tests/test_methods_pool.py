@@ -1,0 +1,130 @@
+"""`fedrl bench methods --pool`: invocations of one setting read as one, unlike runs refused."""
+
+import json
+
+import pytest
+
+from fedrl.cli.main import main
+from fedrl.sim.bench.methods import against_dg, method_summary, report
+from fedrl.sim.bench.methods_pool import PoolError, pool
+
+SETTING = {
+    "quick": False,
+    "clients": 8,
+    "budget": "600 virtual s",
+    "budget_s": 600.0,
+    "frictions": {"noisy": {"share": 0.5, "reward_noise_prob": 0.3}},
+    "model": "tiny-gpt",
+    "lr": 3e-4,
+    "overrides": {"lora_rank": 64},
+    "step_s": 0.05,
+}
+
+
+def run(method, seed, curve, target):
+    """A result row as `run_case` makes it from a run that stopped at its first eval at or under
+    `target` (the curve given ends there) or at its budget."""
+    reached = next(((t, s) for t, s, e in curve if e <= target), None)
+    return {
+        "method": method,
+        "seed": seed,
+        "samples_to_target": reached and reached[1],
+        "time_to_target_s": reached and reached[0],
+        "time_to_stay_s": None,
+        "samples": curve[-1][1],
+        "virtual_s": curve[-1][0],
+        "best_eval": min(e for *_, e in curve),
+        "final_eval": curve[-1][2],
+        "curve": [list(point) for point in curve],
+    }
+
+
+def invocation(tmp_path, name, runs, target=0.15, **setting):
+    path = tmp_path / f"{name}.json"
+    report(runs, target, {**SETTING, **setting}, path, wall_s=1.0)
+    return path
+
+
+def two_invocations(tmp_path):
+    first = [
+        run("dg", 0, [(0, 0, 0.99), (10, 100, 0.5), (20, 200, 0.1)], 0.15),
+        run("ppo", 0, [(0, 0, 0.99), (10, 150, 0.6), (30, 400, 0.12)], 0.15),
+    ]
+    second = [
+        run("dg", 1, [(0, 0, 0.99), (15, 300, 0.14)], 0.15),
+        run("ppo", 1, [(0, 0, 0.99), (60, 900, 0.3)], 0.15),  # never got there: its budget's samples
+        run("dg", 2, [(0, 0, 0.99), (12, 100, 0.01)], 0.15),
+        run("ppo", 2, [(0, 0, 0.99), (20, 250, 0.15)], 0.15),
+    ]
+    return invocation(tmp_path, "a", first), invocation(tmp_path, "b", second), first + second
+
+
+def test_pooled_files_give_what_one_invocation_of_all_their_seeds_gives(tmp_path, capsys):
+    a, b, runs = two_invocations(tmp_path)
+    out = tmp_path / "pooled.json"
+    assert main(["bench", "methods", "--pool", str(a), str(b), "--out", str(out)]) == 0
+    pooled = json.loads(out.read_text())
+    assert [(r["method"], r["seed"]) for r in pooled["runs"]] == [(r["method"], r["seed"]) for r in runs]
+    summary = {m: method_summary([r for r in runs if r["method"] == m]) for m in ("dg", "ppo")}
+    assert pooled["summary"] == summary and pooled["against_dg"] == json.loads(
+        json.dumps(against_dg(summary, runs))
+    )
+    means = pooled["against_dg"]["ppo"]["on_means"]
+    assert means["ratio"] == pytest.approx((400 + 900 + 250) / (200 + 300 + 100)) and means["lower_bound"]
+    assert pooled["target"] == 0.15 and pooled["pooled_from"] == [str(a), str(b)]
+    assert {k: pooled[k] for k in SETTING} == SETTING and out.with_suffix(".png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "6 runs pooled from 2 files, read at 0.15" in printed and "mean over 3 seed(s)" in printed
+
+
+def test_runs_are_read_again_at_another_target_where_their_curves_reach(tmp_path):
+    # ran to 0.05: a run read at 0.15 takes its first eval at or under 0.15
+    low = [run("dg", 3, [(0, 0, 0.99), (10, 100, 0.12), (20, 180, 0.04)], 0.05)]
+    low += [run("ppo", 3, [(0, 0, 0.99), (40, 500, 0.14), (50, 640, 0.2), (60, 700, 0.3)], 0.05)]
+    a, b, _ = two_invocations(tmp_path)
+    c = invocation(tmp_path, "c", low, target=0.05)
+    with pytest.raises(PoolError, match=r"different targets \(0.05, 0.15\): give --target"):
+        pool([a, c], None)
+    _, target, runs = pool([a, c], 0.15)
+    by_key = {(r["method"], r["seed"]): r for r in runs}
+    assert (
+        target == 0.15
+        and by_key["dg", 3]["samples_to_target"] == 100
+        and by_key["dg", 3]["time_to_target_s"] == 10
+    )
+    assert by_key["ppo", 3]["samples_to_target"] == 500 and by_key["ppo", 3]["time_to_stay_s"] is None
+    # below the target a run ran to, a run that stopped there has no curve left to read
+    with pytest.raises(PoolError, match=r"a.json: dg seed 0 stopped at its target 0.15 before reaching 0.05"):
+        pool([a, c], 0.05)
+    # a run that never reached its target ran its whole budget: it reads as a lower bound anywhere
+    d = [
+        run("dg", 7, [(0, 0, 0.99), (8, 80, 0.01)], 0.15),
+        run("ppo", 7, [(0, 0, 0.99), (60, 900, 0.3)], 0.15),
+    ]
+    _, _, runs = pool([c, invocation(tmp_path, "d", d)], 0.05)
+    never = next(r for r in runs if (r["method"], r["seed"]) == ("ppo", 7))
+    assert never["samples_to_target"] is None and never["samples"] == 900
+
+
+def test_unlike_runs_are_refused_and_the_files_stay_as_they_were(tmp_path, capsys):
+    a, b, _ = two_invocations(tmp_path)
+    other_lr = invocation(tmp_path, "lr", [run("dg", 5, [(0, 0, 0.99), (9, 90, 0.1)], 0.15)], lr=1e-4)
+    with pytest.raises(PoolError, match=r"other settings \(lr: 0.0003 in .*a.json, 0.0001 in .*lr.json\)"):
+        pool([a, other_lr], None)
+    with pytest.raises(PoolError, match=r"dg seed 0 is in both .*a.json and .*again.json"):
+        pool([a, invocation(tmp_path, "again", [run("dg", 0, [(0, 0, 0.9), (5, 50, 0.1)], 0.15)])], None)
+    with pytest.raises(PoolError, match="two or more files"):
+        pool([a, a], None)
+    (tmp_path / "async.json").write_text(json.dumps({"benchmark": "async", "runs": []}))
+    (tmp_path / "cut.json").write_text(a.read_text()[:100])
+    for bad, said in (
+        ("async.json", "not a `fedrl bench methods` JSON"),
+        ("cut.json", "not readable as JSON"),
+    ):
+        with pytest.raises(PoolError, match=said):
+            pool([a, tmp_path / bad], None)
+    before = a.read_text()
+    assert main(["bench", "methods", "--pool", str(a), str(b), "--out", str(a)]) == 2
+    assert "--out" in capsys.readouterr().err and a.read_text() == before
+    assert main(["bench", "methods", "--pool", str(a), str(other_lr), "--out", str(tmp_path / "x.json")]) == 2
+    assert "pool runs of one setting only" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
