@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+import fedrl
 from fedrl.cli.main import main
 from fedrl.sim.bench.methods import against_dg, method_summary, report
 from fedrl.sim.bench.methods_pool import PoolError, pool
@@ -71,10 +72,17 @@ def test_pooled_files_give_what_one_invocation_of_all_their_seeds_gives(tmp_path
     )
     means = pooled["against_dg"]["ppo"]["on_means"]
     assert means["ratio"] == pytest.approx((400 + 900 + 250) / (200 + 300 + 100)) and means["lower_bound"]
-    assert pooled["target"] == 0.15 and pooled["pooled_from"] == [str(a), str(b)]
+    assert pooled["target"] == 0.15 and list(pooled["pooled_from"]) == [str(a), str(b)]
+    assert pooled["pooled_from"][str(a)] == pooled["code"] and pooled["code"]["version"] == fedrl.__version__
     assert {k: pooled[k] for k in SETTING} == SETTING and out.with_suffix(".png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "6 runs pooled from 2 files, read at 0.15" in printed and "mean over 3 seed(s)" in printed
+    assert "other code" not in printed
+    # a file of other code is pooled (a record may span versions knowingly), and named
+    older = json.loads(b.read_text()) | {"code": {"version": "0.2.0", "commit": None}}
+    b.write_text(json.dumps(older))
+    assert main(["bench", "methods", "--pool", str(a), str(b), "--out", str(out)]) == 0
+    assert f"run on other code: {a}: {pooled['code']}; {b}: {older['code']}" in capsys.readouterr().out
 
 
 def test_runs_are_read_again_at_another_target_where_their_curves_reach(tmp_path):
@@ -85,10 +93,10 @@ def test_runs_are_read_again_at_another_target_where_their_curves_reach(tmp_path
     c = invocation(tmp_path, "c", low, target=0.05)
     with pytest.raises(PoolError, match=r"different targets \(0.05, 0.15\): give --target"):
         pool([a, c], None)
-    _, target, runs = pool([a, c], 0.15)
-    by_key = {(r["method"], r["seed"]): r for r in runs}
+    pooled = pool([a, c], 0.15)
+    by_key = {(r["method"], r["seed"]): r for r in pooled.runs}
     assert (
-        target == 0.15
+        pooled.target == 0.15
         and by_key["dg", 3]["samples_to_target"] == 100
         and by_key["dg", 3]["time_to_target_s"] == 10
     )
@@ -101,7 +109,7 @@ def test_runs_are_read_again_at_another_target_where_their_curves_reach(tmp_path
         run("dg", 7, [(0, 0, 0.99), (8, 80, 0.01)], 0.15),
         run("ppo", 7, [(0, 0, 0.99), (60, 900, 0.3)], 0.15),
     ]
-    _, _, runs = pool([c, invocation(tmp_path, "d", d)], 0.05)
+    runs = pool([c, invocation(tmp_path, "d", d)], 0.05).runs
     never = next(r for r in runs if (r["method"], r["seed"]) == ("ppo", 7))
     assert never["samples_to_target"] is None and never["samples"] == 900
 

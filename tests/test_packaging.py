@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import fedrl
+
 REPO = Path(__file__).parents[1]
 SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
 NOT_SHIPPED = {"deploy/compose-test.sh", "deploy/compose.host.yml", "deploy/prometheus.Dockerfile"}
@@ -63,6 +65,11 @@ def test_the_wheel_holds_every_source_file_and_nothing_stale(wheel):
 
 
 def test_every_module_imports_from_the_installed_wheel_alone(wheel, tmp_path):
+    # installed inside someone else's repository (a project that vendors its venv)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=u", "-c", "user.email=u@example.org"]
+    (tmp_path / "theirs.txt").write_text("not fedrl\n")
+    for step in (["init", "-q"], ["add", "theirs.txt"], ["commit", "-q", "-m", "theirs"]):
+        subprocess.run([*git, *step], check=True, capture_output=True)
     site = tmp_path / "site"
     install = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, wheel]
     done = subprocess.run(install, capture_output=True, text=True, timeout=300)
@@ -78,7 +85,9 @@ for name in {modules!r}:
     importlib.import_module(name)
 from fedrl.deploy.federation import app_config
 from fedrl.sim.scenario import load_scenario, shipped
+from fedrl.bench.common import code_version
 print(json.dumps({{
+    "code": code_version(),
     "file": sys.modules["fedrl"].__file__,
     "scenarios": sorted(shipped()),
     "default": load_scenario("default").name,
@@ -95,3 +104,5 @@ print(json.dumps({{
     assert Path(said["file"]).is_relative_to(site), said["file"]
     assert "default" in said["scenarios"] and said["default"] == "default" and said["app"] > 10
     assert set(modules) <= set(said["imported"])
+    # installed, it is a version, not the commit of the repository it was installed in
+    assert said["code"] == {"version": fedrl.__version__, "commit": None}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import subprocess
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -35,8 +36,31 @@ def run_cases(fn: Callable[[dict], dict], cases: Iterable[dict], workers: int, d
     return results
 
 
+def code_version() -> dict:
+    """Which fedrl made a benchmark's figures: its version and, run from fedrl's own git checkout,
+    its commit (`+dirty` with tracked files changed), so runs of other code are not read as one
+    unawares (`bench methods --pool` names them)."""
+    import fedrl
+
+    package = Path(fedrl.__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True, timeout=10)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = None
+    try:  # a wheel installed inside some other repository is not that repository's commit
+        if (Path(git("rev-parse", "--show-toplevel") or "/nonexistent") / "fedrl").resolve() == package:
+            commit = git("rev-parse", "HEAD") or None
+            if commit and git("status", "--porcelain", "--untracked-files=no"):
+                commit += "+dirty"
+    except (OSError, subprocess.TimeoutExpired):  # no git here: the version alone
+        pass
+    return {"version": fedrl.__version__, "commit": commit}
+
+
 def write_json(data: dict, out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1))
+    out.write_text(json.dumps({**data, "code": code_version()}, indent=1))
     return out

@@ -270,9 +270,14 @@ def main_pool(args) -> int:
 
     if Path(args.out).resolve() in {Path(p).resolve() for p in args.pool}:
         raise ValueError(f"--out {args.out} is one of the files to pool: give another path")
-    setting, target, results = pool(args.pool, args.target)
-    print(f"{len(results)} runs pooled from {len(args.pool)} files, read at {target}")
-    return report(results, target, setting, args.out, pooled_from=[str(p) for p in args.pool])
+    pooled = pool(args.pool, args.target)
+    print(f"{len(pooled.runs)} runs pooled from {len(pooled.codes)} files, read at {pooled.target}")
+    if len({json.dumps(c, sort_keys=True) for c in pooled.codes.values()}) > 1:
+        print(
+            "note: the files were run on other code: "
+            + "; ".join(f"{p}: {c}" for p, c in pooled.codes.items())
+        )
+    return report(pooled.runs, pooled.target, pooled.setting, args.out, pooled_from=pooled.codes)
 
 
 def report(results: list[dict], target: float, header: dict, out: str | Path, **extra) -> int:

@@ -10,13 +10,14 @@ a seed of a method twice, a run that stopped before the target it is read at.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from fedrl.sim.bench.async_rounds import time_to_stay, time_to_target
 from fedrl.sim.bench.methods import samples_to_target
 
 # what differs between invocations of one setting without making their runs unlike
-PER_INVOCATION = {"target", "wall_s", "summary", "against_dg", "runs", "pooled_from"}
+PER_INVOCATION = {"target", "wall_s", "summary", "against_dg", "runs", "pooled_from", "code"}
 
 
 class PoolError(ValueError):
@@ -75,8 +76,19 @@ def reread(run: dict, target: float, ran_to: float | None, path: str) -> dict:
     }
 
 
-def pool(paths: list[str], target: float | None) -> tuple[dict, float, list[dict]]:
-    """(the shared setting, the target read at, every run re-read there) of the files at `paths`."""
+@dataclass
+class Pooled:
+    setting: dict  # what every file was run with
+    target: float  # where every run was read
+    runs: list[dict]  # each re-read there, by seed
+    codes: dict[
+        str, dict | None
+    ]  # each file's fedrl version and commit (None: written before they were kept)
+
+
+def pool(paths: list[str], target: float | None) -> Pooled:
+    """The runs of the files at `paths` as one. Files of other code are pooled, since a record can
+    span versions knowingly; `codes` says which."""
     files = {str(p): load(p) for p in paths}
     if len(files) < 2:
         raise PoolError("give two or more files to pool (each once)")
@@ -99,4 +111,4 @@ def pool(paths: list[str], target: float | None) -> tuple[dict, float, list[dict
             seen[key] = path
             runs.append(reread(run, target, ran_to, path))
     runs.sort(key=lambda r: r["seed"])  # stable: each seed's methods stay in their order
-    return setting, target, runs
+    return Pooled(setting, target, runs, {path: data.get("code") for path, data in files.items()})
