@@ -112,6 +112,31 @@ def test_runs_are_read_again_at_another_target_where_their_curves_reach(tmp_path
     runs = pool([c, invocation(tmp_path, "d", d)], 0.05).runs
     never = next(r for r in runs if (r["method"], r["seed"]) == ("ppo", 7))
     assert never["samples_to_target"] is None and never["samples"] == 900
+    # a pool read at another target keeps where each run stopped: pooled again, it reads as the
+    # files it came from would (ppo seed 3 ran its budget, though its curve passed 0.15)
+    out = tmp_path / "at-0.15.json"
+    assert main(["bench", "methods", "--pool", str(c), str(tmp_path / "d.json"), "--out", str(out)]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "methods",
+                "--pool",
+                str(c),
+                str(tmp_path / "d.json"),
+                "--target",
+                "0.15",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    again = {(r["method"], r["seed"]): r["samples_to_target"] for r in pool([out], 0.1).runs}
+    assert again == {("dg", 3): 180, ("ppo", 3): None, ("dg", 7): 80, ("ppo", 7): None}
+    # one file alone is read again at another target, and refused below where a run stopped
+    with pytest.raises(PoolError, match="a.json: ppo seed 0 stopped at its target 0.15 before reaching 0.1"):
+        pool([a], 0.1)
 
 
 def test_unlike_runs_are_refused_and_the_files_stay_as_they_were(tmp_path, capsys):
@@ -121,7 +146,7 @@ def test_unlike_runs_are_refused_and_the_files_stay_as_they_were(tmp_path, capsy
         pool([a, other_lr], None)
     with pytest.raises(PoolError, match=r"dg seed 0 is in both .*a.json and .*again.json"):
         pool([a, invocation(tmp_path, "again", [run("dg", 0, [(0, 0, 0.9), (5, 50, 0.1)], 0.15)])], None)
-    with pytest.raises(PoolError, match="two or more files"):
+    with pytest.raises(PoolError, match="a.json is given twice"):
         pool([a, a], None)
     (tmp_path / "async.json").write_text(json.dumps({"benchmark": "async", "runs": []}))
     (tmp_path / "cut.json").write_text(a.read_text()[:100])

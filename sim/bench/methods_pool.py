@@ -3,8 +3,9 @@
 Seeds of one setting are often run in several invocations (three at a time, on two machines,
 one stop after another); their figures then belong together: the means, the per-seed ratios and
 the interval over all the seeds. Pooling re-reads every run from its own curve, at the files'
-target or at another one (`--target`), and refuses what would mix unlike runs: other settings,
-a seed of a method twice, a run that stopped before the target it is read at.
+target or at another one (`--target`; one file alone too), and refuses what would mix unlike
+runs: other settings, a seed of a method twice, a run that stopped before the target it is read
+at.
 """
 
 from __future__ import annotations
@@ -57,12 +58,14 @@ def shared_setting(files: dict[str, dict]) -> dict:
 
 def reread(run: dict, target: float, ran_to: float | None, path: str) -> dict:
     """The run's figures at `target`, from its curve. A run stopped at the first eval at or under
-    the target it ran to (`ran_to`; None: a scenario's runs, which go on), so below that target
-    its curve ends early unless it had already got there."""
+    the target it ran to (`ran_to`: its file's, or the one a pool kept with it; None: a
+    scenario's runs, which go on), so below that target its curve ends early unless it had
+    already got there."""
+    ran_to = run.get("ran_to", ran_to)
     curve = run["curve"]
     samples = samples_to_target(curve, target)
-    stopped_early = ran_to is not None and target < ran_to and run["samples_to_target"] is not None
-    if samples is None and stopped_early:
+    stopped = ran_to is not None and samples_to_target(curve, ran_to) is not None  # else: its whole budget
+    if samples is None and stopped and target < ran_to:
         raise PoolError(
             f"{path}: {run['method']} seed {run['seed']} stopped at its target {ran_to} before reaching "
             f"{target}, so it cannot be read there: pool at a target of {ran_to} or above"
@@ -70,6 +73,7 @@ def reread(run: dict, target: float, ran_to: float | None, path: str) -> dict:
     evals = [{"t": t, "error": error} for t, _, error in curve]
     return {
         **run,
+        "ran_to": ran_to,
         "samples_to_target": samples,
         "time_to_target_s": time_to_target(evals, target),
         "time_to_stay_s": time_to_stay(evals, target),
@@ -81,17 +85,18 @@ class Pooled:
     setting: dict  # what every file was run with
     target: float  # where every run was read
     runs: list[dict]  # each re-read there, by seed
-    codes: dict[
-        str, dict | None
-    ]  # each file's fedrl version and commit (None: written before they were kept)
+    # each file's fedrl version and commit (None: written before they were kept)
+    codes: dict[str, dict | None]
 
 
 def pool(paths: list[str], target: float | None) -> Pooled:
     """The runs of the files at `paths` as one. Files of other code are pooled, since a record can
     span versions knowingly; `codes` says which."""
-    files = {str(p): load(p) for p in paths}
-    if len(files) < 2:
-        raise PoolError("give two or more files to pool (each once)")
+    files: dict[str, dict] = {}
+    for p in map(str, paths):
+        if p in files:
+            raise PoolError(f"{p} is given twice")
+        files[p] = load(p)
     setting = shared_setting(files)
     targets = sorted({d["target"] for d in files.values()})
     if target is None:
