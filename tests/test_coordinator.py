@@ -650,6 +650,32 @@ def test_a_resumed_run_keeps_the_held_out_evals_made_after_its_last_checkpoint(t
     assert {v: kept.get(v) for v in evaluated} == evaluated and first["versions"] + 1 in kept
 
 
+def test_the_best_adapter_names_only_a_version_whose_checkpoint_is_on_disk(tmp_path, monkeypatch):
+    """A checkpoint is written in the background while the version is evaluated; had adapter-best
+    been written first and the coordinator been killed in between, the resumed run would make
+    that version again while adapter-best held the weights of its lost first making."""
+    from fedrl.strategies.best_adapter import BestAdapter
+    from fedrl.strategies.checkpoint import Checkpointer
+
+    write, offer, on_disk = Checkpointer.write, BestAdapter.offer, {}
+
+    def slow_write(self, version, tensors, meta):
+        time.sleep(0.3)  # a large state, or a slow disk
+        return write(self, version, tensors, meta)
+
+    def offer_seen(self, error, version, save, record):
+        on_disk[version] = {
+            json.loads(p.read_text())["version"] for p in tmp_path.glob("run/checkpoints/*.json")
+        }
+        return offer(self, error, version, save, record)
+
+    monkeypatch.setattr(Checkpointer, "write", slow_write)
+    monkeypatch.setattr(BestAdapter, "offer", offer_seen)
+    summary = run_coordinator(FakeGrid(3, client_app), small_config(tmp_path, versions=3, eval_every=1))
+    assert sorted(on_disk) == list(range(summary["versions"] + 1))
+    assert all(v in seen for v, seen in on_disk.items() if v), on_disk  # v0 is never checkpointed
+
+
 def test_a_resumed_run_goes_on_with_each_nodes_round_numbers(tmp_path):
     """Found by `bench chaos` (kill loop): round numbers, which seed a client's sampling, started
     again at 1 after a restart, so every life of a killed run replayed the same prompts."""
