@@ -1,4 +1,6 @@
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,6 +10,9 @@ from fedrl.cores import usable_cores
 
 
 def pytest_configure(config):
+    # the commands the tests start (`fedrl`, `flwr`, `flower-supernode`) are this interpreter's:
+    # `.venv/bin/python -m pytest` without the venv activated found none of them on PATH
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     # pytest-xdist runs the suite on every core and one worker more (pyproject's addopts, and
     # pytest_xdist_auto_num_workers below); a worker then takes one thread: the tiny models' ops
     # gain nothing from a second (a FakeGrid federation: 4.5 s on two threads, 4.8 s on one), and
