@@ -74,10 +74,17 @@ class Checkpointer:
             self._cond.notify()
 
     def flush(self, timeout: float = 60.0) -> None:
+        if not self.settled(timeout):
+            with self._cond:
+                self._raise_error()
+            raise CheckpointError(f"checkpoint writes to {self.directory} still busy after {timeout} s")
+
+    def settled(self, timeout: float = 60.0) -> bool:
+        """Whether every write queued so far is on disk, once it is (False at `timeout`, or after a
+        failure, which the next save_async or flush raises)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout):
-                raise CheckpointError(f"checkpoint writes to {self.directory} still busy after {timeout} s")
-            self._raise_error()
+            done = self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+            return done and self._error is None
 
     def close(self) -> None:
         """Stop the writer thread once queued work is done (or failed); does not raise."""

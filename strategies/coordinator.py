@@ -332,10 +332,10 @@ class Coordinator:
         self.adapter.part.set_all(self.adapter.lm.model, self.global_state)
         result = greedy_eval(self.adapter.lm, self.task)
         save = self.adapter.lm.model.save_pretrained  # the model holds the evaluated state
-        # the version's checkpoint on disk first: killed in between, a resumed run would make that
-        # version again, and adapter-best would name weights its history does not hold
-        self.checkpointer.flush()
-        self.best.offer(result["error"], self.version, save, self.adapter_record())
+        # adapter-best names only a version whose checkpoint is on disk: killed in between, a resumed
+        # run would make that version again while adapter-best held the weights of its lost making
+        if self.checkpointer.settled():
+            self.best.offer(result["error"], self.version, save, self.adapter_record())
         self.eval_cpu_s += time.process_time() - cpu
         wall_s = round(self.run_wall_s(), 1)
         spent = self.traffic()
