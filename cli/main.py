@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedrl.arguments import PORT, future_time, integer, number, parse_overrides
+from fedrl.arguments import PORT, POSITIVE, future_time, integer, number, parse_overrides
 from fedrl.deploy.supernode_timing import HEARTBEAT_RANGE, HEARTBEAT_S
 
 
@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dir", default="runs/deploy-local", help="certs, logs, state and results go here")
     p.add_argument("--port", type=PORT, default=0, help="the SuperLink's port (default: a free one)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="give up on the run after this many s")
+    p.add_argument("--timeout", type=POSITIVE, default=3600.0, help="give up on the run after this many s")
     p.add_argument(
         "--set", nargs="+", action="extend", metavar="KEY=VALUE", help="run config overrides, e.g. versions=8"
     )
@@ -499,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", required=True, help="the patch store's secret")
     p.add_argument("--out", help="write the invite to this file (default: print it)")
     p.add_argument(
-        "--valid-days", type=float, default=30.0, help="the invite enrolls keys this long (default 30)"
+        "--valid-days", type=POSITIVE, default=30.0, help="the invite enrolls keys this long (default 30)"
     )
     p.add_argument(
         "--set",

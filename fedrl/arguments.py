@@ -9,10 +9,13 @@ import time
 from collections.abc import Callable
 
 
-def number(cast: type, minimum: float, maximum: float | None = None) -> Callable[[str], float]:
-    """An option of type `cast` within [minimum, maximum] (NaN is not). Before, `--clients 0` fell
-    through `args.clients or default` and silently ran the default, `--port 99999` ended in a
-    traceback from bind(), and `bench methods --buggy 2` ran as if every client were buggy."""
+def number(
+    cast: type, minimum: float, maximum: float | None = None, above: bool = False
+) -> Callable[[str], float]:
+    """An option of type `cast` within [minimum, maximum] (NaN is not), or (minimum, maximum] with
+    `above`. Before, `--clients 0` fell through `args.clients or default` and silently ran the
+    default, `--port 99999` ended in a traceback from bind(), `bench methods --buggy 2` ran as if
+    every client were buggy, and `bench async --budget-s 0` ran with no budget at all."""
 
     def parse(text: str):
         try:
@@ -21,8 +24,8 @@ def number(cast: type, minimum: float, maximum: float | None = None) -> Callable
             raise argparse.ArgumentTypeError(
                 f"expected {'an integer' if cast is int else 'a number'}, got {text!r}"
             ) from None
-        if not minimum <= value:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if not (minimum < value if above else minimum <= value):
+            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {minimum}, got {value}")
         if maximum is not None and not value <= maximum:
             raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
         return value
@@ -37,6 +40,8 @@ def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
 PORT = integer(0, 65535)  # 0: any free port
 SHARE = number(float, 0.0, 1.0)  # a share of the clients
 SECONDS = number(float, 0.0)
+POSITIVE = number(float, 0.0, above=True)  # a budget, a deadline, a learning rate
+ERROR = number(float, 0.0, 1.0)  # a held-out error to reach: a fraction of the problems
 
 
 def future_time(text: str) -> float:

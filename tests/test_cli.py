@@ -97,11 +97,21 @@ def test_a_wrong_override_type_is_one_line():
         (["volunteer", "join", "x", "--hours", "-1"], "argument --hours: must be >= 0.0, got -1.0"),
         (["sim", "--dashboard", "-1"], "argument --dashboard: must be >= 0, got -1"),
         (["patch-store", "--secret-file", "s", "--max-node-mb", "0"], "argument --max-node-mb: must be >= 1"),
+        (["bench", "async", "--budget-s", "0"], "argument --budget-s: must be > 0.0, got 0.0"),
+        (["bench", "async", "--target", "2"], "argument --target: must be <= 1.0, got 2.0"),
+        (["bench", "async", "--upload-density", "0"], "argument --upload-density: must be > 0.0, got 0.0"),
+        (["bench", "async", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (["bench", "methods", "--lr", "0"], "argument --lr: must be > 0.0, got 0.0"),
+        (["bench", "methods", "--strength", "1.5"], "argument --strength: must be <= 1.0, got 1.5"),
+        (["bench", "scale", "--messages-per-client", "-1"], "argument --messages-per-client: must be > 0.0"),
+        (["invite", "--valid-days", "-1"], "argument --valid-days: must be > 0.0, got -1.0"),
     ],
 )
 def test_a_count_or_port_out_of_range_is_refused_not_read_as_the_default(argv, message, capsys):
     """Before: `--clients 0` ran the default number of clients, `--limit -3` all problems but 3,
-    `--port 99999` ended in a traceback from bind()."""
+    `--port 99999` ended in a traceback from bind(), `bench async --budget-s 0` ran with no budget,
+    `--target 2` was reached by every strategy at its first eval, and a negative `--seed` ended in
+    a validation error several lines long."""
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from fedrl.arguments import SECONDS, integer, parse_overrides
+from fedrl.arguments import ERROR, POSITIVE, SECONDS, integer, number, parse_overrides
 from fedrl.bench.common import add_workers_argument, run_cases, write_json
 from fedrl.protocol import WIRE_DTYPES
 from fedrl.sim.report import write_report
@@ -44,20 +44,22 @@ def strategy_config(base: RunConfig, name: str, upload_density: float, blocks: i
 
 def add_arguments(parser) -> None:
     parser.add_argument(
-        "--target", type=float, default=0.3, help="held-out greedy error to reach (start: 0.69)"
+        "--target", type=ERROR, default=0.3, help="held-out greedy error to reach (start: 0.69)"
     )
     parser.add_argument("--profile", default="mixed-volunteers", help="profile mix or file")
     parser.add_argument("--clients", type=integer(1), help="clients (default 12; quick 6)")
-    parser.add_argument("--budget-s", type=float, help="virtual seconds per strategy (default 300; quick 12)")
+    parser.add_argument(
+        "--budget-s", type=POSITIVE, help="virtual seconds per strategy (default 300; quick 12)"
+    )
     parser.add_argument(
         "--deadline-s",
-        type=float,
+        type=POSITIVE,
         default=20.0,
         help="round deadline (virtual s) for stragglers and dropouts",
     )
     parser.add_argument(
         "--upload-density",
-        type=float,
+        type=number(float, 0.0, 1.0, above=True),
         default=0.05,
         help="parablock-async-topk: fraction of a block's entries each upload sends",
     )
@@ -79,7 +81,7 @@ def add_arguments(parser) -> None:
     )
     add_step_s_argument(parser)
     add_set_argument(parser)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=integer(0), default=0)
     parser.add_argument("--engine", choices=["local", "ray"], default="local")
     add_workers_argument(parser)
     parser.add_argument(
@@ -150,19 +152,22 @@ def add_set_argument(parser) -> None:
 def bench_run_config(clients: int, budget: float, target: float, quick: bool, **settings) -> RunConfig:
     """What the federated benchmarks share: reversal H=8 from a base, every client needed, no
     version or stall limit; a run stops at the target error or after `budget` virtual seconds."""
-    return RunConfig(
-        task="reversal",
-        task_params=json.dumps({"length": 8, "num_eval": 64 if quick else 256}),
-        prompts=4 if quick else 8,
-        samples=4 if quick else 8,
-        versions=10_000,
-        max_time_s=budget,
-        buffer_size=max(2, clients // 2),
-        max_staleness=8,
-        min_nodes=clients,
-        stall_replies=10_000,
-        target_error=target,
-        **settings,
+    return RunConfig.parse(
+        dict(
+            task="reversal",
+            task_params=json.dumps({"length": 8, "num_eval": 64 if quick else 256}),
+            prompts=4 if quick else 8,
+            samples=4 if quick else 8,
+            versions=10_000,
+            max_time_s=budget,
+            buffer_size=max(2, clients // 2),
+            max_staleness=8,
+            min_nodes=clients,
+            stall_replies=10_000,
+            target_error=target,
+            **settings,
+        ),
+        "run config",
     )
 
 

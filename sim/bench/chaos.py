@@ -66,7 +66,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--attacks", nargs="+", choices=ATTACKS[1:], default=list(ATTACKS[1:]))
     parser.add_argument("--kills", type=integer(1), help="coordinator SIGKILLs (default 20; quick 3)")
     parser.add_argument("--mutations", type=integer(1), help="fuzzed patches (default 20000; quick 2000)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=integer(0), default=0)
     parser.add_argument(
         "--seeds",
         type=integer(1),

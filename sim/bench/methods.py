@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedrl.arguments import SHARE, integer, parse_overrides
+from fedrl.arguments import ERROR, POSITIVE, SHARE, integer, number, parse_overrides
 from fedrl.bench.common import add_workers_argument, write_json
 from fedrl.sim.bench.async_rounds import (
     add_set_argument,
@@ -97,10 +97,10 @@ def add_arguments(parser) -> None:
         "--seeds", type=integer(1), help="seeds per method, SEED, SEED+1, ... (default 3; quick 1)"
     )
     parser.add_argument("--clients", type=integer(1), help="clients (default 8; quick 4)")
-    parser.add_argument("--budget-s", type=float, help="virtual seconds per run (default 60; quick 10)")
+    parser.add_argument("--budget-s", type=POSITIVE, help="virtual seconds per run (default 60; quick 10)")
     parser.add_argument(
         "--target",
-        type=float,
+        type=ERROR,
         help=f"held-out greedy error to reach (default {DEFAULT_TARGET}; with --pool: the files' own)",
     )
     parser.add_argument("--buggy", type=SHARE, default=0.25, help="share of clients with buggy actors")
@@ -125,20 +125,20 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--logit-noise",
-        type=float,
+        type=number(float, 0.0),
         default=0.5,
         help="std of the noise on a mismatched client's actor logits",
     )
     parser.add_argument(
         "--strength",
-        type=float,
+        type=SHARE,
         default=0.3,
         help="bug_prob of a buggy client, reward_noise_prob of a noisy one",
     )
     parser.add_argument("--model", default="tiny-gpt-base")
     parser.add_argument(
         "--lr",
-        type=float,
+        type=POSITIVE,
         default=1e-4,
         help="the clients' Adam learning rate (1e-4: a steady curve on tiny-gpt-base)",
     )

@@ -17,7 +17,7 @@ import resource
 import tempfile
 import time
 
-from fedrl.arguments import SECONDS, integer
+from fedrl.arguments import POSITIVE, SECONDS, integer
 from fedrl.bench.common import write_json
 
 
@@ -26,7 +26,7 @@ def add_arguments(parser) -> None:
         "--clients", type=integer(1), nargs="+", help="cases (default 10 100 1000; quick 10 100)"
     )
     parser.add_argument(
-        "--messages-per-client", type=float, default=2.0, help="work per case, in messages per client"
+        "--messages-per-client", type=POSITIVE, default=2.0, help="work per case, in messages per client"
     )
     parser.add_argument(
         "--step-s",
