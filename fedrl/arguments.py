@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import time
 from collections.abc import Callable
 
@@ -12,7 +13,7 @@ from collections.abc import Callable
 def number(
     cast: type, minimum: float, maximum: float | None = None, above: bool = False
 ) -> Callable[[str], float]:
-    """An option of type `cast` within [minimum, maximum] (NaN is not), or (minimum, maximum] with
+    """A finite option of type `cast` within [minimum, maximum], or (minimum, maximum] with
     `above`. Before, `--clients 0` fell through `args.clients or default` and silently ran the
     default, `--port 99999` ended in a traceback from bind(), `bench methods --buggy 2` ran as if
     every client were buggy, and `bench async --budget-s 0` ran with no budget at all."""
@@ -24,6 +25,8 @@ def number(
             raise argparse.ArgumentTypeError(
                 f"expected {'an integer' if cast is int else 'a number'}, got {text!r}"
             ) from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
         if not (minimum < value if above else minimum <= value):
             raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {minimum}, got {value}")
         if maximum is not None and not value <= maximum:
