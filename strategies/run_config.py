@@ -139,7 +139,7 @@ class RunConfig(Schema):
         return self
 
     def _checks(self) -> list[Callable[[], object]]:
-        nonnegative = ["max_time_s", "max_wall_s", "data_shards", "clip_norm", "target_error", "gate_probe"]
+        nonnegative = ["max_time_s", "max_wall_s", "data_shards", "clip_norm", "gate_probe"]
         nonnegative += ["direction_probe", "direction_threshold", "direction_rest_cap", "final_eval_size"]
         return [
             lambda: require(self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"),
@@ -152,6 +152,10 @@ class RunConfig(Schema):
             ),
             lambda: at_least(self, 0, *nonnegative),
             lambda: check_upload_density(self.upload_density, self.mode),
+            lambda: require(
+                0 <= self.target_error <= 1,
+                f"target_error is a held-out error, in [0, 1] (0: off); got {self.target_error}",
+            ),
             lambda: require(
                 0 <= self.gate_tolerance <= 1,
                 f"gate_tolerance is a drop in mean reward, in [0, 1]; got {self.gate_tolerance}",

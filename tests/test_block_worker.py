@@ -125,6 +125,10 @@ def test_run_config_from_flower_style_keys_and_errors():
         ({"schedule": "fifo"}, "schedule must be one of .'cyclic', 'random', 'lru'., got 'fifo'"),
         ({"base-steps": 0}, "1 <= min_steps <= base_steps <= max_steps"),
         ({"seed": -1}, "seed must be >= 0"),
+        # a target over 1 stopped the run at its first eval; NaN passed `< 0` and was never reached
+        ({"target-error": 2.0}, r"target_error is a held-out error, in \[0, 1\] \(0: off\); got 2.0$"),
+        ({"target-error": float("nan")}, "target_error is a held-out error"),
+        ({"max-time-s": float("nan")}, "max_time_s must be >= 0, got nan$"),
     ):
         with pytest.raises(SchemaError, match=message):
             RunConfig.from_mapping(bad)
