@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -29,17 +29,17 @@ def one_line(what: str, err: ValidationError) -> str:
 
 class Schema(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    what: ClassVar[str | None] = None  # how errors name the record (default: the class name)
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], what: str | None = None):
+        what = what or cls.what or cls.__name__
         if not isinstance(data, Mapping):
-            raise SchemaError(
-                f"{what or cls.__name__}: expected a table of fields, got {type(data).__name__}"
-            )
+            raise SchemaError(f"{what}: expected a table of fields, got {type(data).__name__}")
         try:
             return cls.model_validate(dict(data))
         except ValidationError as err:
-            raise SchemaError(one_line(what or cls.__name__, err)) from None
+            raise SchemaError(one_line(what, err)) from None
 
     def to_record(self) -> dict:
         return self.model_dump()

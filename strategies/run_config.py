@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import field_validator, model_validator
 
@@ -30,6 +30,7 @@ def check_direction(test: str, false_refusal: float, weighting: str) -> None:
 
 
 class RunConfig(Schema):
+    what: ClassVar[str] = "run config"
     mode: str = "parablock"  # parablock | block-sequential | fedavg-lora
     sync: bool = False  # True: round barrier with deadline; False: FedBuff-style async
     model: str = "tiny-base"
@@ -211,7 +212,7 @@ class RunConfig(Schema):
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
-        return cls.parse({k.replace("-", "_"): v for k, v in values.items()}, "run config")
+        return cls.parse({k.replace("-", "_"): v for k, v in values.items()})
 
     def in_run(self, run_id: int) -> RunConfig:
         """With "{run_id}" in its directories replaced by Flower's run id: `flwr run .`'s default

@@ -77,6 +77,13 @@ def test_a_wrong_override_type_is_one_line():
     )
 
 
+def test_a_benchmarks_wrong_override_is_one_line_naming_the_run_config(capsys):
+    """Before: `RunConfig: ...` from `--set`, and a bad budget several lines of pydantic's."""
+    assert main(["bench", "methods", "--quick", "--set", "versions=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("run config: versions must be >= 1, got 0") and len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -166,8 +166,7 @@ def bench_run_config(clients: int, budget: float, target: float, quick: bool, **
             stall_replies=10_000,
             target_error=target,
             **settings,
-        ),
-        "run config",
+        )
     )
 
 
