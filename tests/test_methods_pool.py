@@ -6,7 +6,7 @@ import pytest
 
 import fedrl
 from fedrl.cli.main import main
-from fedrl.sim.bench.methods import against_dg, method_summary, report
+from fedrl.sim.bench.methods import against_dg, method_summary, read_at, report
 from fedrl.sim.bench.methods_pool import PoolError, pool
 
 SETTING = {
@@ -161,3 +161,53 @@ def test_unlike_runs_are_refused_and_the_files_stay_as_they_were(tmp_path, capsy
     assert "--out" in capsys.readouterr().err and a.read_text() == before
     assert main(["bench", "methods", "--pool", str(a), str(other_lr), "--out", str(tmp_path / "x.json")]) == 2
     assert "pool runs of one setting only" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_runs_to_the_budget_are_also_read_where_they_stayed_under_the_target(tmp_path, capsys):
+    """A curve that swings reaches a target first and holds it last: DG's here crosses 0.15 at
+    100 samples and stays under it from 300, PPO's crosses at 200 and stays from 200."""
+
+    def to_budget(method, curve):
+        return {
+            "method": method,
+            "seed": 0,
+            **read_at(curve, 0.15),
+            "samples": curve[-1][1],
+            "virtual_s": curve[-1][0],
+            "best_eval": min(e for *_, e in curve),
+            "final_eval": curve[-1][2],
+            "curve": [list(point) for point in curve],
+        }
+
+    dg = to_budget(
+        "dg", [(0, 0, 0.99), (10, 100, 0.1), (20, 200, 0.8), (30, 300, 0.12), (40, 400, 0.1), (50, 500, 0.05)]
+    )
+    ppo = to_budget(
+        "ppo",
+        [(0, 0, 0.99), (10, 100, 0.5), (20, 200, 0.14), (30, 300, 0.13), (40, 400, 0.12), (50, 500, 0.1)],
+    )
+    assert (dg["samples_to_target"], dg["samples_to_stay"], dg["time_to_stay_s"]) == (100, 300, 30)
+    assert dg["late_error"] == pytest.approx((0.1 + 0.05) / 2)  # the evals of the last fifth: t >= 40
+    assert (ppo["samples_to_target"], ppo["samples_to_stay"]) == (200, 200)
+    assert read_at([(0, 0, 0.9), (10, 100, 0.1), (20, 200, 0.5)], 0.15)["samples_to_stay"] is None
+
+    path = invocation(tmp_path, "budget", [dg, ppo], run_to_budget=True)
+    data = json.loads(path.read_text())
+    assert data["against_dg"]["ppo"]["on_means"]["ratio"] == pytest.approx(2.0)
+    assert data["against_dg_to_stay"]["ppo"]["on_means"]["ratio"] == pytest.approx(200 / 300)
+    assert data["summary"]["dg"]["stayed"] == 1 and data["summary"]["dg"]["stay_range"] == [300, 300]
+    assert data["summary"]["ppo"]["late_error"] == pytest.approx(0.11)
+    printed = capsys.readouterr().out
+    assert (
+        "ppo / dg samples to target: 2.00x" in printed
+        and "ppo / dg samples to stay under it: 0.67x" in printed
+    )
+    # a run to the budget did not stop at its file's target: it is read below it too
+    below = {r["method"]: r for r in pool([path], 0.06).runs}
+    assert below["dg"]["samples_to_target"] == 500 and below["ppo"]["samples_to_target"] is None
+    # and it is not pooled with runs that stopped at the target
+    a, _, _ = two_invocations(tmp_path)
+    with pytest.raises(PoolError, match="run_to_budget: None in .*a.json, True in .*budget.json"):
+        pool([a, path], None)
+    # a stop-at-target invocation says nothing of staying (its runs ended at the first crossing)
+    assert "against_dg_to_stay" not in json.loads(a.read_text())

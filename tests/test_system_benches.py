@@ -263,6 +263,9 @@ def test_bench_methods_friction_setup_takes_rule_overrides_and_refuses_unknown_k
     assert setting["overrides"] == {"clip_multiple": 3, "direction_probe": 0}
     with pytest.raises(SchemaError, match="no_such_key"):
         friction_setup(_methods_args("--set", "no_such_key=1"))
+    # a run stops at the target unless it runs to the budget
+    assert friction_setup(_methods_args())[0].target_error == 0.15
+    assert friction_setup(_methods_args("--run-to-budget"))[0].target_error == 0
 
 
 def test_samples_to_target_counts_every_step_the_clients_ran_before_the_eval():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,28 @@ def samples_to_target(curve: list[tuple[float, int, float]], target: float) -> i
     return next((s for _, s, error in curve if error <= target), None)
 
 
+LATE_SHARE = 0.2  # `late_error`: the evals of the last fifth of a run's virtual time
+
+
+def read_at(curve: list[tuple[float, int, float]], target: float) -> dict:
+    """A run's figures at `target`, from its curve: the first crossing (time, samples), where it
+    reached the target for good (time, samples; None if its last eval is above), and its mean
+    error over the last fifth of its virtual time. The first crossing favours a curve that swings:
+    from-scratch federated runs went from 0.23 to 0.90 between two versions, and a run that
+    stopped at 0.094 read 0.797 once the replies in flight were merged. With `--run-to-budget`
+    the other two say whether a lead holds."""
+    evals = [{"t": t, "error": error} for t, _, error in curve]
+    end = curve[-1][0] if curve else 0.0
+    late = [error for t, _, error in curve if t >= (1 - LATE_SHARE) * end]
+    return {
+        "time_to_target_s": time_to_target(evals, target),
+        "samples_to_target": samples_to_target(curve, target),
+        "time_to_stay_s": time_to_stay(evals, target),
+        "samples_to_stay": time_to_stay([{"t": s, "error": error} for _, s, error in curve], target),
+        "late_error": float(np.mean(late)) if late else None,
+    }
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--seed", type=integer(0), default=0, help="the first seed")
@@ -152,6 +175,13 @@ def add_arguments(parser) -> None:
     add_set_argument(parser)
     add_workers_argument(parser)
     parser.add_argument(
+        "--run-to-budget",
+        action="store_true",
+        help="run every method for the whole budget instead of stopping it at the target: the first "
+        "crossing is read as before, and where each run reached the target for good and its error "
+        "over the budget's last fifth say whether a lead holds",
+    )
+    parser.add_argument(
         "--pool",
         nargs="+",
         metavar="JSON",
@@ -173,7 +203,7 @@ def friction_setup(args) -> tuple:
     base = bench_run_config(
         clients,
         budget,
-        target_of(args),
+        0.0 if args.run_to_budget else target_of(args),
         args.quick,
         model=args.model,
         lr=args.lr,
@@ -225,9 +255,7 @@ def run_case(case: dict) -> dict:
     return {
         "method": cfg.method,
         "seed": cfg.seed,
-        "time_to_target_s": time_to_target(s["evals"], target),
-        "time_to_stay_s": time_to_stay(s["evals"], target),
-        "samples_to_target": samples_to_target(curve, target),
+        **read_at(curve, target),
         "initial_eval": s["initial_eval"],
         "final_eval": s["final_eval"],
         "final_set_eval": s.get("final_set_eval"),
@@ -262,6 +290,8 @@ def main(args) -> int:
     workers = side_by_side(args.workers, sim_for(0).clock, args.engine)
     results, step_s = run_with_one_unit(run_case, case_for, order, args.step_s, workers, "bench methods")
     header = {"quick": args.quick, "clients": clients, "budget": budget, **setting, "step_s": step_s}
+    if args.run_to_budget:  # only then: files run before the flag pool with those run without it
+        header["run_to_budget"] = True
     return report(results, target, header, args.out, wall_s=time.perf_counter() - start)
 
 
@@ -280,83 +310,101 @@ def main_pool(args) -> int:
     return report(pooled.runs, pooled.target, pooled.setting, args.out, pooled_from=pooled.codes)
 
 
+@dataclass(frozen=True)
+class Reading:
+    """One way of reading "samples to the target" off each run: its key in a run's row, the
+    name of that figure in the summary and in the JSON's ratios, and how the table says it."""
+
+    key: str  # a run's figure (None: never)
+    reached: str  # the summary's count of runs that got there
+    spread: str  # the summary's [least, most] samples
+    against: str  # the JSON's ratios against DG
+    words: str
+
+
+FIRST = Reading("samples_to_target", "reached", "samples_range", "against_dg", "samples to target")
+HELD = Reading("samples_to_stay", "stayed", "stay_range", "against_dg_to_stay", "samples to stay under it")
+
+
 def report(results: list[dict], target: float, header: dict, out: str | Path, **extra) -> int:
     """Each method's summary and its figures against DG, printed and written as JSON (the runs'
-    shared settings in `header`) with a plot beside it: a run's or a pool's (`--pool`)."""
+    shared settings in `header`) with a plot beside it: a run's or a pool's (`--pool`). Runs to
+    the budget are also read where each reached the target for good."""
+    readings = (FIRST, HELD) if header.get("run_to_budget") else (FIRST,)
     methods = list(dict.fromkeys(r["method"] for r in results))
-    summary = {m: method_summary([r for r in results if r["method"] == m]) for m in methods}
-    against = against_dg(summary, results)
-    data = {"benchmark": "methods", "target": target, **header, **extra}
-    out = write_json({**data, "summary": summary, "against_dg": against, "runs": results}, out)
+    summary = {m: method_summary([r for r in results if r["method"] == m], readings) for m in methods}
+    against = {reading.against: against_dg(summary, results, reading) for reading in readings}
+    data = {"benchmark": "methods", "target": target, **header, **extra, "summary": summary, **against}
+    out = write_json(data | {"runs": results}, out)
     if "scenario" in header:
         title = f"{header['scenario']}: the federation's own staleness"
     else:
         shares = [f"{v['share']:.0%} {k}" for k, v in header["frictions"].items() if v["share"]]
         title = f"federated RL, volunteers {', '.join(shares) or 'without frictions'}: loss by loss"
     plot(results, target, out.with_suffix(".png"), title)
-    print(table(summary, len({r["seed"] for r in results})))
-    print(against_table(against))
+    print(table(summary, len({r["seed"] for r in results}), readings))
+    for reading in readings:
+        print(against_table(against[reading.against], reading))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
 
-def method_summary(runs: list[dict]) -> dict:
+def method_summary(runs: list[dict], readings: tuple[Reading, ...] = (FIRST,)) -> dict:
     """A run that never reached the target counts as its whole budget (time) and all its
     samples: a lower bound on what it would have needed, so the means stay comparable."""
 
     def cost(key: str, fallback: str) -> list[float]:
         return [r[key] if r[key] is not None else r[fallback] for r in runs]
 
-    return {
-        "reached": sum(r["samples_to_target"] is not None for r in runs),
+    summary = {
         "runs": len(runs),
         "time_to_target_s": float(np.mean(cost("time_to_target_s", "virtual_s"))),
-        "samples_to_target": float(np.mean(cost("samples_to_target", "samples"))),
-        "samples_range": [
-            min(cost("samples_to_target", "samples")),
-            max(cost("samples_to_target", "samples")),
-        ],
         "best_eval": float(np.mean([r["best_eval"] for r in runs])),
         "final_eval": float(np.mean([r["final_eval"] for r in runs])),
     }
+    for reading in readings:
+        samples = cost(reading.key, "samples")
+        summary |= {
+            reading.reached: sum(r[reading.key] is not None for r in runs),
+            reading.key: float(np.mean(samples)),
+            reading.spread: [min(samples), max(samples)],
+        }
+    if HELD in readings:
+        summary["late_error"] = float(np.mean([r["late_error"] for r in runs]))
+    return summary
 
 
-def against_dg(summary: dict, results: list[dict]) -> dict:
-    """Each other method's samples to the target over DG's (the papers' claim is DG's lead): on
-    the means of `summary` (method_summary's) and seed by seed, with their median. A run of the
-    other method that never got there counts all its samples, so the ratio is then a lower bound
-    (`lower_bound`); where a run of DG's never got there, there is no ratio (None). Where every
-    seed's ratio is exact, also their geometric mean and a 90% interval of the means' ratio over
-    the seeds (`seed_interval`)."""
+def against_dg(summary: dict, results: list[dict], reading: Reading = FIRST) -> dict:
+    """Each other method's samples to the target (as `reading` reads them) over DG's (the papers'
+    claim is DG's lead): on the means of `summary` (method_summary's) and seed by seed, with their
+    median. A run of the other method that never got there counts all its samples, so the ratio
+    is then a lower bound (`lower_bound`); where a run of DG's never got there, there is no ratio
+    (None). Where every seed's ratio is exact, also their geometric mean and a 90% interval of the
+    means' ratio over the seeds (`seed_interval`)."""
     dg = summary.get("dg")
     if dg is None:
         return {}
+    key, reached = reading.key, reading.reached
     dg_runs = {r["seed"]: r for r in results if r["method"] == "dg"}
     out = {}
     for method, s in summary.items():
         if method == "dg":
             continue
         runs = [r for r in results if r["method"] == method]
-        per_seed = [
-            ratio_to_reference(r["samples_to_target"], r["samples"], dg_runs[r["seed"]]["samples_to_target"])
-            for r in runs
-        ]
+        per_seed = [ratio_to_reference(r[key], r["samples"], dg_runs[r["seed"]][key]) for r in runs]
         known = [r["ratio"] for r in per_seed if r["ratio"] is not None]
         # every seed's ratio exact: the seeds' own spread, as the uncertainty of the means' ratio
         exact = len(per_seed) > 1 and all(r["ratio"] is not None and not r["lower_bound"] for r in per_seed)
         out[method] = {
             "on_means": ratio_to_reference(
-                s["samples_to_target"] if s["reached"] == s["runs"] else None,
-                s["samples_to_target"],
-                dg["samples_to_target"] if dg["reached"] == dg["runs"] else None,
+                s[key] if s[reached] == s["runs"] else None,
+                s[key],
+                dg[key] if dg[reached] == dg["runs"] else None,
             ),
             "per_seed": per_seed,
             "median_per_seed": float(np.median(known)) if known else None,
             "geomean_per_seed": float(np.exp(np.mean(np.log(known)))) if exact else None,
-            "interval_90": seed_interval(
-                [dg_runs[r["seed"]]["samples_to_target"] for r in runs],
-                [r["samples_to_target"] for r in runs],
-            )
+            "interval_90": seed_interval([dg_runs[r["seed"]][key] for r in runs], [r[key] for r in runs])
             if exact
             else None,
         }
@@ -378,7 +426,7 @@ def seed_interval(
     return [float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))]
 
 
-def against_table(against: dict) -> str:
+def against_table(against: dict, reading: Reading = FIRST) -> str:
     def fmt(r: dict) -> str:
         return "-" if r["ratio"] is None else f"{'>= ' if r['lower_bound'] else ''}{r['ratio']:.2f}x"
 
@@ -390,7 +438,7 @@ def against_table(against: dict) -> str:
         if a.get("geomean_per_seed"):
             spread.append(f"geometric mean {a['geomean_per_seed']:.2f}x")
         lines.append(
-            f"{method} / dg samples to target: {fmt(a['on_means'])} on the means"
+            f"{method} / dg {reading.words}: {fmt(a['on_means'])} on the means"
             + (f" (90% over seeds: {interval[0]:.2f}-{interval[1]:.2f}x)" if interval else "")
             + f"; per seed {', '.join(fmt(r) for r in a['per_seed'])}"
             + (f" ({', '.join(spread)})" if spread else "")
@@ -398,19 +446,31 @@ def against_table(against: dict) -> str:
     return "\n".join(lines)
 
 
-def table(summary: dict, seeds: int) -> str:
+def table(summary: dict, seeds: int, readings: tuple[Reading, ...] = (FIRST,)) -> str:
+    held = HELD in readings
     lines = [
-        f"{'method':10} {'reached':>8} {'time to target':>15} {'samples to target':>26} {'best error':>11}"
-        f" {'final error':>12}"
+        f"{'method':10} {'reached':>8} {'time to target':>15} {'samples to target':>26}"
+        + (f" {'stayed':>7} {'samples to stay':>26} {'late error':>11}" if held else "")
+        + f" {'best error':>11} {'final error':>12}"
     ]
     for method, s in summary.items():
-        lo, hi = s["samples_range"]
-        lines.append(
+        lo, hi = s[FIRST.spread]
+        line = (
             f"{method:10} {s['reached']:>4}/{s['runs']:<3} {s['time_to_target_s']:14.1f}s "
-            f"{s['samples_to_target']:>10.0f} [{lo:.0f}-{hi:.0f}] {s['best_eval']:11.3f}"
-            f" {s['final_eval']:12.3f}"
+            f"{s['samples_to_target']:>10.0f} [{lo:.0f}-{hi:.0f}]"
         )
+        if held:
+            lo, hi = s[HELD.spread]
+            line += (
+                f" {s['stayed']:>3}/{s['runs']:<3} {s['samples_to_stay']:>10.0f} [{lo:.0f}-{hi:.0f}]"
+                f" {s['late_error']:11.3f}"
+            )
+        lines.append(line + f" {s['best_eval']:11.3f} {s['final_eval']:12.3f}")
     lines.append(f"(mean over {seeds} seed(s); a run that never reached the target counts its whole budget)")
+    if held:
+        lines.append(
+            f"(late error: the mean held-out error over the last {LATE_SHARE:.0%} of each run's time)"
+        )
     return "\n".join(lines)
 
 

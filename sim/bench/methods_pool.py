@@ -14,8 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedrl.sim.bench.async_rounds import time_to_stay, time_to_target
-from fedrl.sim.bench.methods import samples_to_target
+from fedrl.sim.bench.methods import read_at, samples_to_target
 
 # what differs between invocations of one setting without making their runs unlike
 PER_INVOCATION = {"target", "wall_s", "summary", "against_dg", "runs", "pooled_from", "code"}
@@ -59,8 +58,8 @@ def shared_setting(files: dict[str, dict]) -> dict:
 def reread(run: dict, target: float, ran_to: float | None, path: str) -> dict:
     """The run's figures at `target`, from its curve. A run stopped at the first eval at or under
     the target it ran to (`ran_to`: its file's, or the one a pool kept with it; None: a
-    scenario's runs, which go on), so below that target its curve ends early unless it had
-    already got there."""
+    scenario's runs and those run to the budget, which go on), so below that target its curve
+    ends early unless it had already got there."""
     ran_to = run.get("ran_to", ran_to)
     curve = run["curve"]
     samples = samples_to_target(curve, target)
@@ -70,14 +69,7 @@ def reread(run: dict, target: float, ran_to: float | None, path: str) -> dict:
             f"{path}: {run['method']} seed {run['seed']} stopped at its target {ran_to} before reaching "
             f"{target}, so it cannot be read there: pool at a target of {ran_to} or above"
         )
-    evals = [{"t": t, "error": error} for t, _, error in curve]
-    return {
-        **run,
-        "ran_to": ran_to,
-        "samples_to_target": samples,
-        "time_to_target_s": time_to_target(evals, target),
-        "time_to_stay_s": time_to_stay(evals, target),
-    }
+    return {**run, "ran_to": ran_to, **read_at(curve, target)}
 
 
 @dataclass
@@ -108,7 +100,7 @@ def pool(paths: list[str], target: float | None) -> Pooled:
     seen: dict[tuple[str, int], str] = {}
     runs = []
     for path, data in files.items():
-        ran_to = None if "scenario" in data else data["target"]
+        ran_to = None if "scenario" in data or data.get("run_to_budget") else data["target"]
         for run in data["runs"]:
             key = (run["method"], run["seed"])
             if key in seen:
