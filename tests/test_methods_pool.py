@@ -205,6 +205,14 @@ def test_runs_to_the_budget_are_also_read_where_they_stayed_under_the_target(tmp
     # a run to the budget did not stop at its file's target: it is read below it too
     below = {r["method"]: r for r in pool([path], 0.06).runs}
     assert below["dg"]["samples_to_target"] == 500 and below["ppo"]["samples_to_target"] is None
+    # such files pool with each other (their ratios to staying differ, as each file's own figures)
+    late_ppo = to_budget("ppo", [(0, 0, 0.99), (20, 200, 0.5), (40, 400, 0.1), (50, 500, 0.1)])
+    other_seed = [r | {"seed": 1} for r in (dg, late_ppo)]
+    out = tmp_path / "both.json"
+    later = invocation(tmp_path, "budget-seed1", other_seed, run_to_budget=True)
+    assert main(["bench", "methods", "--pool", str(path), str(later), "--out", str(out)]) == 0
+    pooled = json.loads(out.read_text())
+    assert pooled["summary"]["dg"]["stayed"] == 2 and "against_dg_to_stay" in pooled
     # and it is not pooled with runs that stopped at the target
     a, _, _ = two_invocations(tmp_path)
     with pytest.raises(PoolError, match="run_to_budget: None in .*a.json, True in .*budget.json"):

@@ -14,10 +14,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedrl.sim.bench.methods import read_at, samples_to_target
+from fedrl.sim.bench.methods import FIRST, HELD, read_at, samples_to_target
 
 # what differs between invocations of one setting without making their runs unlike
-PER_INVOCATION = {"target", "wall_s", "summary", "against_dg", "runs", "pooled_from", "code"}
+PER_INVOCATION = {"target", "wall_s", "summary", "runs", "pooled_from", "code", FIRST.against, HELD.against}
 
 
 class PoolError(ValueError):
