@@ -456,13 +456,13 @@ def table(summary: dict, seeds: int, readings: tuple[Reading, ...] = (FIRST,)) -
     for method, s in summary.items():
         lo, hi = s[FIRST.spread]
         line = (
-            f"{method:10} {s['reached']:>4}/{s['runs']:<3} {s['time_to_target_s']:14.1f}s "
-            f"{s['samples_to_target']:>10.0f} [{lo:.0f}-{hi:.0f}]"
+            f"{method:10} {s[FIRST.reached]:>4}/{s['runs']:<3} {s['time_to_target_s']:14.1f}s "
+            f"{s[FIRST.key]:>10.0f} [{lo:.0f}-{hi:.0f}]"
         )
         if held:
             lo, hi = s[HELD.spread]
             line += (
-                f" {s['stayed']:>3}/{s['runs']:<3} {s['samples_to_stay']:>10.0f} [{lo:.0f}-{hi:.0f}]"
+                f" {s[HELD.reached]:>3}/{s['runs']:<3} {s[HELD.key]:>10.0f} [{lo:.0f}-{hi:.0f}]"
                 f" {s['late_error']:11.3f}"
             )
         lines.append(line + f" {s['best_eval']:11.3f} {s['final_eval']:12.3f}")

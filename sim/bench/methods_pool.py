@@ -62,14 +62,14 @@ def reread(run: dict, target: float, ran_to: float | None, path: str) -> dict:
     ends early unless it had already got there."""
     ran_to = run.get("ran_to", ran_to)
     curve = run["curve"]
-    samples = samples_to_target(curve, target)
+    read = read_at(curve, target)
     stopped = ran_to is not None and samples_to_target(curve, ran_to) is not None  # else: its whole budget
-    if samples is None and stopped and target < ran_to:
+    if read["samples_to_target"] is None and stopped and target < ran_to:
         raise PoolError(
             f"{path}: {run['method']} seed {run['seed']} stopped at its target {ran_to} before reaching "
             f"{target}, so it cannot be read there: pool at a target of {ran_to} or above"
         )
-    return {**run, "ran_to": ran_to, **read_at(curve, target)}
+    return {**run, "ran_to": ran_to, **read}
 
 
 @dataclass
