@@ -387,59 +387,48 @@ def rice_encode(gaps: np.ndarray, k: int) -> bytes:
     return out[: patch_kernels.rice_into(gaps, k, out)].tobytes()
 
 
-def rice_decode(data, k: int, count: int, numel: int) -> np.ndarray:
-    """Inverse of rice_encode, refusing any stream that is not exactly `count` gaps of a
-    tensor of `numel` values (checked before a bit is unpacked: no amplification)."""
-    low_bytes = (count * k + 7) // 8
-    if len(data) < low_bytes:
-        raise CorruptPatch(
-            f"Rice section of {len(data)} bytes is shorter than its {low_bytes} bytes of low bits"
-        )
-    unary_bytes = len(data) - low_bytes
-    if unary_bytes * 8 > (numel >> k) + count + 8:
-        raise CorruptPatch("Rice quotients longer than the tensor allows")
-    raw = np.frombuffer(data, np.uint8)
-    gaps = np.empty(count, np.int64)
-    ones, last = patch_kernels.rice_gaps_into(raw, unary_bytes, k, count, gaps)
-    if ones != count or (count and unary_bytes != last // 8 + 1) or (not count and unary_bytes):
-        raise CorruptPatch(f"Rice quotients hold {ones} gaps or stray bits, header says {count}")
-    if low_bytes and count * k % 8 and raw[-1] >> (count * k % 8):
-        raise CorruptPatch("Rice low bits set past the last gap")
-    if count and int(gaps.max()) > numel:
-        raise CorruptPatch("index gap beyond the tensor")
-    return gaps
-
-
-def decode_indices(small: bytes, width: str, large: bytes, count: int, numel: int) -> np.ndarray:
-    if width in _RICE_FORMS:
-        if len(large):
-            raise CorruptPatch("Rice-coded gaps have no escapes")
-        return _positions(rice_decode(small, _RICE_FORMS[width], count, numel), count, numel)
-    itemsize = np.dtype(width).itemsize
-    planes = _array(small, np.uint8)
-    if len(planes) != count * itemsize:
-        raise CorruptPatch(f"index section holds {len(planes) / itemsize:g} {width}, header says {count}")
-    escapes = _array(large, np.uint64) if itemsize < 8 else np.empty(0, np.uint64)
+def decode_indices(small, width: str, large, count: int, numel: int) -> np.ndarray:
+    """Inverse of `encode_indices`: the `count` sorted flat positions in a tensor of `numel`
+    values, refusing any stream that is not exactly that (see `patch_kernels.gap_positions_into`)."""
     out = np.empty(count, np.int64)
-    found = patch_kernels.positions_from_gaps(planes, itemsize, count, escapes, numel, out)
-    if found != patch_kernels.GAPS_OK:
-        raise CorruptPatch(_GAP_FAULTS[found])
+    fault, detail = patch_kernels.gap_positions_into(*_index_stream(width, small, large), count, numel, out)
+    if fault:
+        raise CorruptPatch(_gaps_refused(fault, detail, width, len(small), count))
     return out
 
 
+def _index_stream(width: str, small, large) -> tuple[np.ndarray, int, int, np.ndarray]:
+    """How `patch_kernels.gap_positions_into` reads an entry's gaps: their section, bytes a gap
+    (0: Rice-coded), the Rice parameter and the escapes."""
+    data = np.frombuffer(small, np.uint8)
+    if width in _RICE_FORMS:
+        if len(large):
+            raise CorruptPatch("Rice-coded gaps have no escapes")
+        return data, 0, _RICE_FORMS[width], _NO_ESCAPES
+    itemsize = _ITEMSIZE_OF[width]
+    return data, itemsize, 0, _array(large, np.uint64) if itemsize < 8 else _NO_ESCAPES
+
+
+_NO_ESCAPES = np.frombuffer(b"", np.uint64)  # read-only, as sections are (see _NO_BYTES)
 _GAP_FAULTS = {
     patch_kernels.GAPS_ESCAPES_DIFFER: "escape list does not match the escaped gaps",
     patch_kernels.GAPS_BEYOND: "index gap beyond the tensor",
     patch_kernels.GAPS_OUT_OF_ORDER: "indices out of range or not strictly increasing",
+    patch_kernels.RICE_LONG: "Rice quotients longer than the tensor allows",
+    patch_kernels.RICE_LOW_PAST: "Rice low bits set past the last gap",
 }
 
 
-def _positions(gaps: np.ndarray, count: int, numel: int) -> np.ndarray:
-    """Flat positions from gaps (the first from 0), checked to lie in the tensor and increase."""
-    idx = np.cumsum(gaps)
-    if count and (idx[-1] >= numel or (count > 1 and np.any(gaps[1:] == 0))):
-        raise CorruptPatch("indices out of range or not strictly increasing")
-    return idx
+def _gaps_refused(fault: int, detail: int, width: str, size: int, count: int) -> str:
+    """What is wrong with `count` gaps in `width` (a section of `size` bytes), in words."""
+    if fault == patch_kernels.GAPS_SECTION_SIZE:
+        return f"index section holds {size / _ITEMSIZE_OF[width]:g} {width}, header says {count}"
+    if fault == patch_kernels.RICE_SHORT:
+        low_bytes = (count * _RICE_FORMS[width] + 7) // 8
+        return f"Rice section of {size} bytes is shorter than its {low_bytes} bytes of low bits"
+    if fault == patch_kernels.RICE_COUNT:
+        return f"Rice quotients hold {detail} gaps or stray bits, header says {count}"
+    return _GAP_FAULTS[fault]
 
 
 # ---------------------------------------------------------------- value coding
@@ -496,22 +485,24 @@ _VALUE_KINDS = {
 _ITEMSIZE_OF = {_NAME[width]: _ITEMSIZE[width] for width in _WIDTHS}
 
 
-def _value_stream(kind: str, width: str, data, count: int, full: np.dtype) -> tuple[int, int]:
-    """How `scatter_into` reads a stream of `count` values for a tensor of the unsigned dtype
-    `full`, as it travels (see `encode_values`; the header's check knows the pair of kind and
-    width): its kind's code and bytes per value, once its size is checked."""
-    if kind == "sign":
-        if len(data) != (count + 7) // 8:
-            raise CorruptPatch(f"sign bits for {count} values need {(count + 7) // 8} bytes, got {len(data)}")
-        return _VALUE_KINDS[kind], 0
-    itemsize = _ITEMSIZE_OF[width]
+def _value_stream(name: str, kind: str, width: str, data, escapes, full: np.dtype) -> tuple:
+    """How `patch_kernels.scatter_into` reads a stream of values for a tensor of the unsigned
+    dtype `full`, as it travels (see `encode_values`; the header's check knows the pair of kind
+    and width): its bytes, its kind's code, bytes per value and escapes, once its width is
+    known to fit the tensor (its size is checked against its count as it is read)."""
+    itemsize = 0 if kind == "sign" else _ITEMSIZE_OF[width]
     if kind == "raw" and itemsize != full.itemsize:
-        raise CorruptPatch(f"raw values are {width}, the tensor's bits are {full.name}")
+        raise CorruptPatch(f"{name}: raw values are {width}, the tensor's bits are {full.name}")
     if kind == "delta" and itemsize >= full.itemsize:
-        raise CorruptPatch(f"delta values are {width}, not a width narrower than {full.name}")
-    if len(data) != count * itemsize:
-        raise CorruptPatch(f"value section holds {len(data) / itemsize:g} {width}, header says {count}")
-    return _VALUE_KINDS[kind], itemsize
+        raise CorruptPatch(f"{name}: delta values are {width}, not a width narrower than {full.name}")
+    return np.frombuffer(data, np.uint8), _VALUE_KINDS[kind], itemsize, _array(escapes, full)
+
+
+def _stream_refused(kind: str, width: str, size: int, count: int) -> str:
+    """A stream of `size` bytes that does not hold `count` values, in words."""
+    if kind == "sign":
+        return f"sign bits for {count} values need {(count + 7) // 8} bytes, got {size}"
+    return f"value section holds {size / _ITEMSIZE_OF[width]:g} {width}, header says {count}"
 
 
 # ---------------------------------------------------------------- the near tier
@@ -1073,68 +1064,79 @@ def _decode_changes(
     undo: list,
     written: _ChangesHash,
 ) -> np.ndarray:
-    """A sparse or tiered entry's changes scattered into `bits`, each scatter's old values onto
-    `undo`, what it writes added to `written`; returns the positions written."""
-    count, is_float = e["count"], dtype.is_floating_point
+    """A sparse or tiered entry's changes written into `bits` in one kernel
+    (`patch_kernels.decode_changes_into`), the old values onto `undo`, what it writes added to
+    `written`; returns the positions written (far changes, then the near tier's)."""
+    count, word = e["count"], bits.dtype.type
     tiered = e["mode"] == "tiered"
-    near_changed = _near_changes(name, bits, dtype, e, parts) if tiered else np.empty(0, np.int64)
-    far = count - near_changed.size
-    if far < 0:
-        raise CorruptPatch(f"{name}: {near_changed.size} near changes, header says {count} in all")
-    idx = decode_indices(parts["index"], e["index_width"], parts["index_escapes"], far, bits.size)
-    far_values = (e["values_as"], e["value_width"], parts["values"], parts["value_escapes"])
-    # far changes lie outside the tier
-    outside = tuple(map(np.uint64, _near_limits(bits, dtype, e["below"]))) if tiered else _ANYWHERE
-    _scatter(name, bits, idx, far_values, is_float, outside, undo, written)
-    if tiered:  # decoded even when empty: its sections must then be empty too
-        near_values = (e["near_as"], e["near_width"], parts["near_values"], parts["near_escapes"])
-        _scatter(name, bits, near_changed, near_values, True, _ANYWHERE, undo, written)
-    return np.concatenate([idx, near_changed])
+    far_values = _value_stream(
+        name, e["values_as"], e["value_width"], parts["values"], parts["value_escapes"], bits.dtype
+    )
+    if tiered:
+        mantissa, exponent = _FLOAT_LAYOUT[dtype]
+        magnitude_mask, limit = _near_limits(bits, dtype, e["below"])
+        found = _SCRATCH.get("found", bits.size, np.int64)
+        near = _SCRATCH.get("positions", bits.size, np.int64)
+        flags = np.frombuffer(parts["near_flags"], np.uint8)
+        near_values = _value_stream(
+            name, e["near_as"], e["near_width"], parts["near_values"], parts["near_escapes"], bits.dtype
+        )
+    else:  # no tier: nothing is near, and its stream is empty
+        mantissa, exponent, magnitude_mask, limit = 0, 0, word(0), word(0)
+        found = near = _NO_POSITIONS
+        flags = _NO_BYTES
+        near_values = (_NO_BYTES, patch_kernels.VALUES_SIGN, 0, np.frombuffer(b"", bits.dtype))
+    positions = np.empty(count, np.int64)
+    old, new = np.empty(count, bits.dtype), np.empty(count, bits.dtype)
+    fault, held, moved, wrote, detail = patch_kernels.decode_changes_into(
+        bits,
+        dtype.is_floating_point,
+        magnitude_mask,
+        limit,
+        mantissa,
+        1 << exponent,
+        found,
+        near,
+        flags,
+        *_index_stream(e["index_width"], parts["index"], parts["index_escapes"]),
+        *far_values,
+        *near_values,
+        positions,
+        old,
+        new,
+    )
+    undo.append((bits, positions[:wrote], old[:wrote]))  # a fault stops it part way: `apply_patch` undoes
+    if fault:
+        raise CorruptPatch(f"{name}: {_changes_refused(fault, held, moved, detail, e, parts)}")
+    far = count - moved
+    for part in (slice(0, far), slice(far, count)) if tiered else (slice(0, count),):
+        written.add(positions[part])
+        written.add(new[part])
+    return positions
 
 
-_ANYWHERE = (np.uint64(0), np.uint64(0))  # a magnitude mask and a bound nothing lies under
-_SCATTER_FAULTS = {
+# Read-only, as sections are: a kernel compiles once per signature, and writable arrays would
+# make a second one.
+_NO_POSITIONS, _NO_BYTES = np.empty(0, np.int64), np.frombuffer(b"", np.uint8)
+_CHANGES_FAULTS = {
+    patch_kernels.FLAGS_PAST_NEAR: "flag bits set past the near values",
     patch_kernels.SCATTER_ESCAPES_DIFFER: "escape list does not match the escaped values",
     patch_kernels.SCATTER_IN_NEAR_TIER: "a change listed by position lies in the near tier",
 }
 
 
-def _scatter(
-    name: str,
-    bits: np.ndarray,
-    positions: np.ndarray,
-    values: tuple,
-    is_float: bool,
-    outside: tuple,
-    undo: list,
-    written: _ChangesHash,
-) -> None:
-    """One stream of new values (kind, width, section, escapes) written at `positions`, the old
-    values onto `undo`, both arrays into `written`; `outside`: a magnitude mask and a bound that
-    no value at `positions` may lie under (uint64). Refused with what it wrote on `undo`."""
-    kind, width, data, escapes = values
-    code, itemsize = _value_stream(kind, width, data, positions.size, bits.dtype)
-    old, new = np.empty(positions.size, bits.dtype), np.empty(positions.size, bits.dtype)
-    stream, large = np.frombuffer(data, np.uint8), _array(escapes, bits.dtype)
-    fault, wrote = patch_kernels.scatter_into(
-        bits, positions, stream, code, itemsize, large, is_float, *outside, old, new
-    )
-    undo.append((bits, positions[:wrote], old[:wrote]))  # a fault stops it part way: `apply_patch` undoes
-    if fault:
-        raise CorruptPatch(f"{name}: {_SCATTER_FAULTS[fault]}")
-    written.add(positions)
-    written.add(new)
-
-
-def _near_changes(name: str, bits: np.ndarray, dtype: torch.dtype, e: dict, parts: dict) -> np.ndarray:
-    """Positions of the near values a tiered tensor's flags mark as changed."""
-    near = near_positions(bits, dtype, e["below"])
-    flags = parts["near_flags"]
-    if len(flags) != (near.size + 7) // 8:
-        raise CorruptPatch(
-            f"{name}: {near.size} near values need {(near.size + 7) // 8} flag bytes, got {len(flags)}"
-        )
-    packed = np.frombuffer(flags, np.uint8)
-    if near.size % 8 and packed[-1] >> (near.size % 8):
-        raise CorruptPatch(f"{name}: flag bits set past the near values")
-    return near[: patch_kernels.flagged_into(near, packed)].copy()
+def _changes_refused(fault: int, held: int, moved: int, detail: int, e: dict, parts: dict) -> str:
+    """What `decode_changes_into` found wrong with an entry, in words: `held` near values, of
+    which `moved` flagged."""
+    far = e["count"] - moved
+    if fault == patch_kernels.FLAGS_SIZE:
+        return f"{held} near values need {(held + 7) // 8} flag bytes, got {len(parts['near_flags'])}"
+    if fault == patch_kernels.NEAR_OVER_COUNT:
+        return f"{moved} near changes, header says {e['count']} in all"
+    if fault == patch_kernels.FAR_VALUES_SIZE:
+        return _stream_refused(e["values_as"], e["value_width"], len(parts["values"]), far)
+    if fault == patch_kernels.NEAR_VALUES_SIZE:
+        return _stream_refused(e["near_as"], e["near_width"], len(parts["near_values"]), moved)
+    if fault in _CHANGES_FAULTS:
+        return _CHANGES_FAULTS[fault]
+    return _gaps_refused(fault, detail, e["index_width"], len(parts["index"]), far)

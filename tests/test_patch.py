@@ -23,7 +23,6 @@ from fedrl.patch import (
     encode_indices,
     encode_patch,
     read_header,
-    rice_decode,
     rice_encode,
     shuffle_bytes,
     state_hash,
@@ -549,6 +548,25 @@ def test_a_hand_made_tiered_patch_applies_and_each_inconsistency_is_refused():
         with pytest.raises(CorruptPatch, match=reason):
             apply_patch({"w": base}, bad)
 
+    # the near tier's stream is read after the far changes were written: those are put back too
+    def near_stream(kind: str, width: str, data: bytes):
+        def edit(header, sections):
+            header["tensors"][0].update(near_as=kind, near_width=width)
+            sections[5] = data
+
+        return edit
+
+    late = {
+        "w: sign bits for 2 values need 1 bytes, got 0": near_stream("sign", "bit", b""),
+        # two uint8 distances, the second escaped, and no escape to take
+        "w: escape list does not match the escaped values": near_stream("delta", "uint8", bytes([1, 255])),
+    }
+    for reason, edit in late.items():
+        held = {"w": base.clone()}
+        with pytest.raises(CorruptPatch, match=re.escape(reason)):
+            apply_patch(held, with_sections(patch, edit), in_place=True, verify="changes")
+        assert bits_equal(held, {"w": base})
+
 
 def with_sections(patch: bytes, edit) -> bytes:
     """The patch with `edit(header, sections)` applied to its header and its list of sections."""
@@ -620,11 +638,12 @@ def test_a_near_tier_is_only_for_floats_and_their_own_exponents():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 2**20), max_size=300), st.integers(0, 14))
-def test_rice_coded_gaps_round_trip(gaps, k):
-    gaps = np.array(gaps, dtype=np.uint64)
-    numel = int(gaps.sum()) + 1
-    assert np.array_equal(rice_decode(rice_encode(gaps, k), k, gaps.size, numel), gaps.astype(np.int64))
+@given(st.sets(st.integers(0, 2**20), max_size=300), st.integers(0, 14), st.integers(1, 2**10))
+def test_rice_coded_gaps_round_trip(positions, k, room):
+    idx = np.array(sorted(positions), dtype=np.int64)
+    numel = int(idx[-1]) + room if idx.size else room
+    data = rice_encode(np.diff(idx, prepend=0).astype(np.uint64), k)
+    assert np.array_equal(decode_indices(data, f"rice{k}", b"", idx.size, numel), idx)
 
 
 def test_gaps_spread_like_a_far_tier_are_rice_coded_and_clustered_ones_are_not():

@@ -122,7 +122,7 @@ def test_a_scatter_writes_each_stream_as_it_travels(arrays, is_float, kind, seed
     fault, wrote = patch_kernels.scatter_into(
         bits, positions, data, KINDS[kind], itemsize, escapes, is_float, *NOTHING, old, new
     )
-    assert (fault, wrote) == (patch_kernels.SCATTER_OK, positions.size)
+    assert (fault, wrote) == (patch_kernels.OK, positions.size)
     assert np.array_equal(old, base[positions]) and np.array_equal(new, target[positions])
     expected = base.copy()
     expected[positions] = target[positions]
@@ -144,7 +144,7 @@ def test_a_scatter_stops_at_a_fault_and_keeps_what_it_overwrote():
             (escapes_differ, 3),
         ),
         "a position in the near tier": ((one_escape, "delta", 1, fine, tier), (in_tier, 1)),
-        "none": ((one_escape, "delta", 1, fine, NOTHING), (patch_kernels.SCATTER_OK, 3)),
+        "none": ((one_escape, "delta", 1, fine, NOTHING), (patch_kernels.OK, 3)),
     }
     for reason, ((data, kind, itemsize, escapes, outside), expected) in cases.items():
         bits = base.copy()
