@@ -319,12 +319,25 @@ def near_positions(bits: np.ndarray, dtype: torch.dtype, below: int) -> np.ndarr
     its exponent, so flags and values of one exponent sit together and zstd codes each run near
     its own rate (3-7% smaller patches on SmolLM2's blocks). A view of a per-thread buffer,
     which the next call overwrites: its callers use it at once."""
+    tier = _near_pass(bits, dtype, below)
+    return tier[-1][: patch_kernels.near_into(bits, *tier)]
+
+
+def _near_pass(bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
+    """What `patch_kernels.near_into` takes after `bits`, in its order: the tier's magnitude mask
+    and bound, the mantissa's bits, the exponent's bins, and per-thread buffers for its scratch
+    and its positions (the last)."""
     mantissa, exponent = _FLOAT_LAYOUT[dtype]
     magnitude_mask, limit = _near_limits(bits, dtype, below)
     found = _SCRATCH.get("found", bits.size, np.int64)
-    out = _SCRATCH.get("positions", bits.size, np.int64)
-    count = patch_kernels.near_into(bits, magnitude_mask, limit, mantissa, 1 << exponent, found, out)
-    return out[:count]
+    return (
+        magnitude_mask,
+        limit,
+        mantissa,
+        1 << exponent,
+        found,
+        _SCRATCH.get("positions", bits.size, np.int64),
+    )
 
 
 # ---------------------------------------------------------------- index coding
@@ -1073,17 +1086,13 @@ def _decode_changes(
         name, e["values_as"], e["value_width"], parts["values"], parts["value_escapes"], bits.dtype
     )
     if tiered:
-        mantissa, exponent = _FLOAT_LAYOUT[dtype]
-        magnitude_mask, limit = _near_limits(bits, dtype, e["below"])
-        found = _SCRATCH.get("found", bits.size, np.int64)
-        near = _SCRATCH.get("positions", bits.size, np.int64)
+        tier = _near_pass(bits, dtype, e["below"])
         flags = np.frombuffer(parts["near_flags"], np.uint8)
         near_values = _value_stream(
             name, e["near_as"], e["near_width"], parts["near_values"], parts["near_escapes"], bits.dtype
         )
     else:  # no tier: nothing is near, and its stream is empty
-        mantissa, exponent, magnitude_mask, limit = 0, 0, word(0), word(0)
-        found = near = _NO_POSITIONS
+        tier = (word(0), word(0), 0, 1, _NO_POSITIONS, _NO_POSITIONS)
         flags = _NO_BYTES
         near_values = (_NO_BYTES, patch_kernels.VALUES_SIGN, 0, np.frombuffer(b"", bits.dtype))
     positions = np.empty(count, np.int64)
@@ -1091,12 +1100,7 @@ def _decode_changes(
     fault, held, moved, wrote, detail = patch_kernels.decode_changes_into(
         bits,
         dtype.is_floating_point,
-        magnitude_mask,
-        limit,
-        mantissa,
-        1 << exponent,
-        found,
-        near,
+        *tier,
         flags,
         *_index_stream(e["index_width"], parts["index"], parts["index_escapes"]),
         *far_values,
