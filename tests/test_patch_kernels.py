@@ -2,8 +2,10 @@
 unsigned width, at sizes around the block (tails, empty tensors) and at any density."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba.core.errors import TypingError
 from ulp_keys import ordered, zigzag
 
 from fedrl import patch_kernels
@@ -52,6 +54,20 @@ def test_changed_positions_are_where_the_patterns_differ_and_the_sample_is_strid
         assert np.array_equal(sampled, expected)
     else:
         assert not sampled.any()
+
+
+def test_the_block_compares_refuse_arrays_they_cannot_read_as_whole_unsigned_vectors():
+    """The passes load BLOCK values as one vector and compare unsigned: a strided view or a
+    signed array must fail to compile, not give a wrong mask."""
+    bits = np.arange(4 * BLOCK, dtype=np.uint16)
+    out, sampled = np.empty(bits.size, np.int64), np.zeros(1, np.int64)
+    for base in (bits[::2], bits.view(np.int16)):
+        with pytest.raises(TypingError):
+            patch_kernels.changed_into(base, base.copy(), out, 0, 0, sampled)
+    with pytest.raises(TypingError):
+        patch_kernels.near_into(
+            bits.view(np.int16), np.int16(0x7FFF), np.int16(1 << 7), 7, 256, out, out.copy()
+        )
 
 
 @settings(max_examples=200, deadline=None)
