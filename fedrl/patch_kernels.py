@@ -22,7 +22,7 @@ or sign bits as they travel), instead of gathered copies or arrays rebuilt first
 
 The kernels write into buffers the caller owns and return how many entries they wrote.
 Compiled code is kept on disk beside this file (or in the user's cache directory): the first
-process to patch bf16 and fp32 tensors compiles for about 11 s here (4 s before decoding took
+process to patch bf16 and fp32 tensors compiles for about 9-11 s here (4 s before decoding took
 one kernel an entry, which is compiled with every kernel it calls), later ones load it in 0.4 s.
 """
 
