@@ -348,13 +348,14 @@ def encode_indices(idx: np.ndarray) -> tuple[bytes, str, bytes]:
     or Rice-coded ("riceK") when that is smaller still: zstd's byte-wise Huffman code pays up to
     a bit and a half a gap over the entropy of gaps spread as evenly as a sparse tier's far
     changes (geometric), where a Rice code pays a few hundredths; on clustered gaps zstd wins."""
-    gaps, escaped = np.empty(idx.size, np.uint64), np.zeros(len(_WIDTHS) - 1, np.int64)
-    patch_kernels.gaps_into(idx, gaps, escaped)
-    sizes = [gaps.size * _ITEMSIZE[w] + 8 * int(e) for w, e in zip(_WIDTHS, [*escaped, 0])]
-    width = _WIDTHS[int(np.argmin(sizes))]  # the first of the smallest
+    gaps, counted = np.empty(idx.size, np.uint64), np.zeros(len(_WIDTHS) - 1, np.int64)
+    patch_kernels.gaps_into(idx, gaps, counted)
+    escaped = [*counted.tolist(), 0]  # Python ints: numpy's scalars and argmin cost 10 µs a tensor
+    sizes = [gaps.size * _ITEMSIZE[w] + 8 * e for w, e in zip(_WIDTHS, escaped)]
+    at = sizes.index(min(sizes))  # the first of the smallest
+    width, escapes = _WIDTHS[at], escaped[at]
     if width is np.uint64:
         return shuffle_bytes(gaps), "uint64", b""
-    escapes = int(escaped[_WIDTHS.index(width)])
     if gaps.size >= RICE_MIN_GAPS:
         k, rice_bits = _rice_parameter(gaps)
         if rice_bits < 0.97 * (_zstd_bits(gaps, width) + 64 * escapes):
