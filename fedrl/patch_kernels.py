@@ -653,6 +653,8 @@ def near_tier(bits, positions, mantissa: int, sampled, stride: int) -> int:
     scale = numel / ((numel + stride - 1) // stride)
     best, best_bits, values_under, changes_under = 0, np.inf, 0, 0
     for below in range(1, bins):  # thresholds 1 .. bins-1: the values with exponent field < below
+        if sampled[below - 1] == 0 and changed[below - 1] == 0:
+            continue  # the cost of the one before, no better; most bins are empty (0.53 -> 0.35 ms an encode)
         values_under += sampled[below - 1]
         changes_under += changed[below - 1]
         total = max(values_under * scale, changes_under)
