@@ -313,20 +313,14 @@ def changed_positions(
     return out[:count].copy(), sampled if tiered else None
 
 
-def near_positions(bits: np.ndarray, dtype: torch.dtype, below: int) -> np.ndarray:
-    """Flat positions of the values in the near tier (see `_near_limits`) in the order the tier lists
-    them: by exponent, then by position. How often a value moves, and by how many ulps, follows
-    its exponent, so flags and values of one exponent sit together and zstd codes each run near
-    its own rate (3-7% smaller patches on SmolLM2's blocks). A view of a per-thread buffer,
-    which the next call overwrites: its callers use it at once."""
-    tier = _near_pass(bits, dtype, below)
-    return tier[-1][: patch_kernels.near_into(bits, *tier)]
-
-
 def _near_pass(bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
     """What `patch_kernels.near_into` takes after `bits`, in its order: the tier's magnitude mask
-    and bound, the mantissa's bits, the exponent's bins, and per-thread buffers for its scratch
-    and its positions (the last)."""
+    and bound (see `_near_limits`), the mantissa's bits, the exponent's bins, and per-thread
+    buffers for its scratch and its positions (the last), which the next call overwrites.
+
+    The tier lists its values by exponent, then by position. How often a value moves, and by how
+    many ulps, follows its exponent, so flags and values of one exponent sit together and zstd
+    codes each run near its own rate (3-7% smaller patches on SmolLM2's blocks)."""
     mantissa, exponent = _FLOAT_LAYOUT[dtype]
     magnitude_mask, limit = _near_limits(bits, dtype, below)
     found = _SCRATCH.get("found", bits.size, np.int64)
@@ -688,14 +682,15 @@ def _encode_changes(
     entry: dict = {"mode": "tiered" if below else "sparse", "count": int(idx.size)}
     if below:
         entry["below"] = below
-        near = near_positions(base_bits, dtype, below)
+        tier = _near_pass(base_bits, dtype, below)  # its magnitude mask and bound first
+        near = tier[-1][: patch_kernels.near_into(base_bits, *tier)]
         flags, near_changed, far = (
             np.empty((near.size + 7) // 8, np.uint8),
             np.empty_like(near),
             np.empty_like(idx),
         )
         moved, outside = patch_kernels.split_tier(
-            base_bits, new_bits, idx, near, *_near_limits(base_bits, dtype, below), flags, near_changed, far
+            base_bits, new_bits, idx, near, *tier[:2], flags, near_changed, far
         )
         near_changed, idx = near_changed[:moved], far[:outside]  # the far changes travel as gaps
         near_as, near_width, near_values, near_escapes, near_new = encode_values(
