@@ -467,9 +467,17 @@ def positions_from_gaps(planes, itemsize: int, count: int, escapes, numel: int, 
         out[i] = position
     if used != escapes.size:
         return GAPS_ESCAPES_DIFFER
+    return _order_fault(beyond, repeated, position, count, numel)
+
+
+@njit(inline="always")
+def _order_fault(beyond, repeated, last, count, numel):
+    """What decoded gaps say of their positions, however they travelled: GAPS_BEYOND where a
+    gap lay beyond the tensor, GAPS_OUT_OF_ORDER where the `last` position leaves it or a gap
+    after the first is 0, else OK."""
     if beyond:
         return GAPS_BEYOND
-    if count and (position >= numel or repeated):
+    if count and (last >= numel or repeated):
         return GAPS_OUT_OF_ORDER
     return OK
 
@@ -532,11 +540,7 @@ def gap_positions_into(data, itemsize: int, k: int, escapes, count: int, numel: 
         repeated |= i > 0 and out[i] == 0
         position += out[i]
         out[i] = position
-    if beyond:
-        return GAPS_BEYOND, 0
-    if count and (position >= numel or repeated):
-        return GAPS_OUT_OF_ORDER, 0
-    return OK, 0
+    return _order_fault(beyond, repeated, position, count, numel), 0
 
 
 @njit(inline="always")
