@@ -27,6 +27,8 @@ from fedrl.deploy.parent_watch import interrupt_when_orphaned
 POLL_S = 1.0  # Flower's SuperExec asks this often by default; its SuperNode, every 3 s
 HEARTBEAT_S = 30.0  # Flower's: a killed node is let go after 2 x this
 POLL_RANGE, HEARTBEAT_RANGE = (0.05, 60.0), (10.0, 1800.0)  # the second: what the SuperLink accepts
+HEARTBEAT_PATIENCE = 2  # Flower's: a node is online until it misses this many heartbeats
+HOLD_MARGIN_S = 30.0  # for a busy SuperLink and the clocks of two machines
 # (module, name) this entry replaces: the message loop's `time`, and the interval both places use
 PATCHED = (
     ("flwr.supernode.start_client_internal", "time"),
@@ -64,6 +66,13 @@ def apply(poll_s: float, heartbeat_s: float) -> str:
         setattr(modules[module], name, heartbeat_s)
     os.environ.setdefault(SUPEREXEC_POLL_ENV, f"{poll_s:g}")  # the SuperExec is a child: it inherits
     return ""
+
+
+def session_hold_s(heartbeat_s: float) -> float:
+    """How long the SuperLink may keep a node online after the node stopped without telling it
+    (a crash, or a goodbye that did not arrive: Flower's SuperNode sends it once and ignores a
+    failure). Until then the node's key cannot be activated again."""
+    return HEARTBEAT_PATIENCE * heartbeat_s + HOLD_MARGIN_S
 
 
 def supernode_argv(

@@ -396,6 +396,30 @@ def test_a_second_join_on_a_running_volunteers_home_is_refused(tmp_path, ca, cap
             proc.wait()
 
 
+def test_a_refused_activation_is_the_last_sessions_hold_for_two_heartbeats_and_a_margin(tmp_path):
+    """Flower keeps a node online until it misses two heartbeats, and its SuperNode's goodbye
+    (sent once on a clean stop, a failure ignored) may not arrive: until then a refused
+    activation is the last session's hold, after it a refused key. Before, a refusal after a
+    clean session, or after the SuperNode died mid-session, was taken for a revoked key at once."""
+    from fedrl.deploy.supernode_timing import HEARTBEAT_S, HOLD_MARGIN_S
+    from fedrl.volunteer.home import VolunteerHome
+
+    home = VolunteerHome.for_run("r", tmp_path)
+    home.data.mkdir(parents=True)
+    assert home.key_held_until() == 0.0  # never joined from here: a refusal is the key's
+    write_json(home.session, {"pid": 1, "clean": True, "ended": 1000.0, "heartbeat_s": 10.0})
+    assert home.key_held_until() == 1000.0 + 2 * 10.0 + HOLD_MARGIN_S
+    for heartbeat in ({}, {"heartbeat_s": "ten"}):  # a session file of an older fedrl, or a bad one
+        write_json(home.session, {"pid": 1, "clean": True, "ended": 1000.0, **heartbeat})
+        assert home.key_held_until() == 1000.0 + 2 * HEARTBEAT_S + HOLD_MARGIN_S
+    write_json(home.session, {"pid": 1, "clean": True, "ended": 1000.0, "connected": False})
+    assert home.key_held_until() == 0.0  # refused or unreachable last time: it held nothing
+    write_json(home.session, {"pid": 1, "clean": False, "started": 5.0, "heartbeat_s": 60.0})
+    before = time.time()  # a crash: it stopped at an unknown moment, now at the latest
+    held = home.key_held_until()
+    assert before + 2 * 60.0 + HOLD_MARGIN_S <= held <= time.time() + 2 * 60.0 + HOLD_MARGIN_S
+
+
 def test_what_a_volunteer_is_told_is_printed_as_written(tmp_path, ca):
     """Messages quote logs and errors: a closing tag in them ("[/v1/...]" of a Flower log line)
     raised rich's MarkupError, and "[red]" vanished."""

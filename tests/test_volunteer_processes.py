@@ -27,7 +27,7 @@ from rich.console import Console
 from waiting import wait_for
 
 from fedrl.clients.disk_state import load_from_disk
-from fedrl.deploy.federation import CONNECTION, tool
+from fedrl.deploy.federation import CONNECTION, DeployError, tool
 from fedrl.deploy.local import LocalDeployment
 from fedrl.invite import load_invite
 from fedrl.node_files import PROBE, STATUS, read_json
@@ -74,6 +74,9 @@ class Volunteer:
         assert self.proc.poll() is None, f"volunteer {self.name} exited: {self.log()[-1500:]}"
         status = self.status()
         return status.get("rounds", 0) >= rounds and status.get("phase") == "working"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def node_id(self) -> int:
         return int(re.findall(r"as node (\d+)", self.log())[-1])
@@ -157,10 +160,17 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
         assert f"(pid {b.proc.pid}) left the federation cleanly (left, " in left.stdout, left.stdout
         assert b.proc.wait(30) == 0, b.log()[-2000:]
         a.join()  # it holds its last version on disk
-        assert (
-            deployment.federation.wait_run(run_id, 500, events=deployment.run_dir / "events.jsonl")
-            == "finished:completed"
-        )
+
+        def a_at_work(status: str) -> None:  # A alone can end the run: if it exits, say why at once
+            assert a.alive(), f"A exited while the run was {status}: {a.log()[-1500:]}"
+
+        events_file = deployment.run_dir / "events.jsonl"
+        try:
+            status = deployment.federation.wait_run(run_id, 500, a_at_work, events_file)
+        except DeployError as err:  # a stall: what the coordinator and A last said
+            tail = events_file.read_text().splitlines()[-8:]
+            raise AssertionError(f"{err}\nevents: {tail}\nA: {a.log()[-1500:]}") from err
+        assert status == "finished:completed"
         # the coordinator told A the run was over: withdrawing now waits for nothing
         wait_for(lambda: a.status().get("run_over"), 30, "A told the run is over")
         a.proc.send_signal(signal.SIGINT)
@@ -209,17 +219,26 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
     assert not [r for r in errors if r.startswith(SETTINGS_UNKNOWN)], errors
 
 
-def test_a_session_killed_outright_takes_its_node_along(deployment):
-    """SIGKILL to the session alone (the OOM killer, a crash): its SuperNode stops as on Ctrl-C,
+def test_a_node_that_crashes_rejoins_and_a_session_killed_outright_takes_its_node_along(deployment):
+    """SIGKILL to the SuperNode's process group alone (Flower's process crashed): the session
+    starts it again, and while the SuperLink still holds the dead node's session (until two
+    heartbeats are missed: 20 s here) its refusals are retried, not taken for a revoked key.
+    Then SIGKILL to the session alone (the OOM killer, a crash): its SuperNode stops as on Ctrl-C,
     which tells the SuperLink (the node is offline at once, so the volunteer's next join can
     connect: 5 s in a trial), and the launcher and Flower's SuperExec follow. Before, the
     SuperNode worked on unsupervised and kept the key's session online, and the next join waited
     on "the SuperLink still holds this node's session" for over 150 s."""
-    c = Volunteer(deployment, "c")
+    c = Volunteer(deployment, "c", "--heartbeat-s", str(HEARTBEAT_S))
     try:
         c.join()
         wait_for(lambda: "as node" in c.log(), 180, "C connected")
         node, session = c.node_id(), c.proc.pid
+        children = psutil.Process(session).children()
+        (supernode,) = [p for p in children if "--auth-supernode-private-key" in p.cmdline()]
+        os.killpg(supernode.pid, signal.SIGKILL)
+        wait_for(lambda: c.log().count("as node") == 2 or not c.alive(), 180, "C connected again")
+        assert c.alive() and "still holds this node's last session" in c.log(), c.log()[-1500:]
+        assert c.node_id() == node
         node_procs = psutil.Process(session).children(recursive=True)
         assert len(node_procs) >= 2, node_procs  # the SuperNode and the launcher, at least
         os.kill(session, signal.SIGKILL)

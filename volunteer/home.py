@@ -7,7 +7,8 @@
   data    (platformdirs user_data_dir("fedrl")/federations/RUN):
       state/       the node's state dir (fedrl.node_files: client state, status, probe, pins)
       logs/        the SuperNode's log
-      session.json this volunteer's process: pid, started, whether it exited cleanly
+      session.json this volunteer's process: pid, started (or ended), whether it exited
+                   cleanly, whether its node connected, the node's heartbeat interval
 
 `--home DIR` (or FEDRL_VOLUNTEER_HOME) puts both under DIR/RUN: several volunteers on one
 machine, or a self-contained folder.
@@ -16,6 +17,7 @@ machine, or a self-contained folder.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import platformdirs
 import psutil
 
 from fedrl.certs import make_node_key
+from fedrl.deploy.supernode_timing import HEARTBEAT_S, session_hold_s
 from fedrl.invite import Invite, InviteError, load_invite
 from fedrl.node_files import read_json
 
@@ -77,6 +80,22 @@ class VolunteerHome:
             return read_json(self.session) or {}
         except ValueError:
             return {}
+
+    def key_held_until(self) -> float:
+        """Until when (wall clock) the SuperLink may still hold the node's session from the last
+        `fedrl volunteer join` here: a refused activation before then is that session, after it a
+        refused key. A crashed session stopped at an unknown moment (now at the latest); a clean
+        one told the SuperLink, but that goodbye is not confirmed (session_hold_s); one that never
+        connected holds nothing."""
+        session = self.last_session()
+        heartbeat_s = session.get("heartbeat_s")
+        hold = session_hold_s(heartbeat_s if isinstance(heartbeat_s, (int, float)) else HEARTBEAT_S)
+        if session.get("clean") is False:
+            return time.time() + hold
+        ended = session.get("ended")
+        if not isinstance(ended, (int, float)) or session.get("connected") is False:
+            return 0.0
+        return ended + hold
 
     def running_pid(self) -> int | None:
         """The pid of a `fedrl volunteer join` still at work on this home: its session did not

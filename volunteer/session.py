@@ -37,7 +37,7 @@ from rich.console import Console
 from fedrl.cores import thread_env
 from fedrl.deploy.federation import flwr_env, tool
 from fedrl.deploy.local import stop_groups
-from fedrl.deploy.supernode_timing import HEARTBEAT_RANGE, HEARTBEAT_S
+from fedrl.deploy.supernode_timing import HEARTBEAT_RANGE, HEARTBEAT_S, session_hold_s
 from fedrl.deploy.warm_clientapp import LauncherKeeper
 from fedrl.invite import Invite
 from fedrl.live_line import LiveLine
@@ -70,7 +70,6 @@ from fedrl.volunteer.node_status import (
 from fedrl.volunteer.preflight import STORE, SUPERLINK, failed, preflight_table, run_preflight
 from fedrl.volunteer.probe import Limits, probe_json, probe_matches, probe_table, run_probe
 
-SESSION_RELEASE_S = 150.0  # how long a crashed node's old session may hold its key (Flower: ~60 s)
 SESSION_RETRY_S = 2.0  # between tries while it holds it (each starts a SuperNode and its SuperExec)
 MEMORY_CHECK_S = 5.0  # how often the session sums the node's memory against --max-memory
 IDLE_LEAVE_S = 30.0  # an idle node with a delta to hand in gets its next message within seconds, or goes
@@ -132,7 +131,8 @@ class Session:
         self.signals = 0
         self.node_id: int | None = None
         self.leave_at: float | None = None
-        self.first_try: float | None = None  # when the SuperNode was first started
+        self.held_until = 0.0  # till then (wall clock) the SuperLink may hold the node's last session
+        self.connected_once = False  # the SuperLink took the node once in this session
 
     def say(self, text: str) -> None:
         self.console.print(text, markup=False)  # it quotes logs and errors: "[/v1/...]" is not markup
@@ -259,7 +259,6 @@ class Session:
         argv += ["--parent-pid", str(os.getpid())]  # a session killed outright takes its SuperNode along
         self.log_offset = self.log_path().stat().st_size if self.log_path().exists() else 0
         self.proc = self.start_confined(argv)
-        self.first_try = self.first_try or time.monotonic()
 
     def start_confined(self, argv: list[str]) -> subprocess.Popen:
         """A process of the node (the SuperNode, the launcher): in a process group of its own,
@@ -363,30 +362,32 @@ class Session:
         (self.home.state_dir / LEAVE).unlink(missing_ok=True)
         # not the last session's "left" or "run over"
         update_status(self.home.state_dir, phase="connecting", acknowledged=False, run_over=False)
-        crashed_before = self.home.last_session().get("clean") is False
-        write_json(self.home.session, {"pid": os.getpid(), "started": time.time(), "clean": False})
+        self.held_until = self.home.key_held_until()
+        session = {"pid": os.getpid(), "clean": False, "heartbeat_s": self.heartbeat_s}
+        write_json(self.home.session, {**session, "started": time.time()})
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            code = self.start_and_serve(crashed_before)
+            code = self.start_and_serve()
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
             self.stop_node()
-        write_json(self.home.session, {"pid": os.getpid(), "ended": time.time(), "clean": True})
+        ended = {"clean": True, "ended": time.time(), "connected": self.connected_once}
+        write_json(self.home.session, {**session, **ended})
         (self.home.state_dir / LEAVE).unlink(missing_ok=True)
         return code
 
-    def start_and_serve(self, crashed_before: bool) -> int:
+    def start_and_serve(self) -> int:
         for stage in (self.preflight, self.enroll, self.probe):
             stage()
             if self.leave_at is not None:  # asked to leave before its node started: it owes nothing
                 self.say("left before the node started: nothing to hand in; bye")
                 return EXIT_OK
-        return self.serve(crashed_before)
+        return self.serve()
 
-    def serve(self, crashed_before: bool) -> int:
+    def serve(self) -> int:
         line = LiveLine(self.console)
-        connected_once, restarts, next_memory_check = False, 0, 0.0
+        restarts, next_memory_check = 0, 0.0
         self.launcher.ensure()  # first: its imports overlap the SuperNode's connecting
         self.start_node()
         while True:
@@ -407,9 +408,9 @@ class Session:
             log = self.node_log()
             if self.node_id is None and (found := re.search(r"SuperNode ID: (\d+)", log)):
                 self.say(f"connected to {self.invite.superlink} as node {found.group(1)}")
-                if not connected_once:
+                if not self.connected_once:
                     self.say("to leave cleanly: Ctrl-C here, or `fedrl volunteer leave` from another shell")
-                self.node_id, connected_once = int(found.group(1)), True
+                self.node_id, self.connected_once = int(found.group(1)), True
             status = read_status(self.home)
             line.show(status_text(self.node_id, status))
             if self.leave_at is not None and self.left(status, log):
@@ -419,7 +420,9 @@ class Session:
             if self.proc.poll() is not None:
                 if self.leave_at is not None:
                     return EXIT_OK
-                verdict = self.diagnose(log, crashed_before, connected_once)
+                if self.node_id is not None:  # it died connected, no goodbye: the SuperLink holds it
+                    self.held_until = time.time() + session_hold_s(self.heartbeat_s)
+                verdict = self.diagnose(log)
                 if verdict:
                     raise VolunteerError(*verdict)
                 restarts += 1
@@ -430,22 +433,25 @@ class Session:
                 self.start_node()
             time.sleep(0.5)
 
-    def diagnose(self, log: str, crashed_before: bool, connected_once: bool) -> tuple[int, str] | None:
+    def diagnose(self, log: str) -> tuple[int, str] | None:
         """Why the SuperNode exited: an (exit code, message) to give up with, or None to retry."""
         if "Failed to activate SuperNode" in log:
-            if crashed_before and time.monotonic() - self.first_try < SESSION_RELEASE_S:
-                self.say("the SuperLink still holds this node's session from before the crash; retrying")
+            if time.time() < self.held_until:
+                until = time.strftime("%H:%M:%S", time.localtime(self.held_until))
+                self.say(
+                    f"the SuperLink still holds this node's last session (till {until} at most): retrying"
+                )
                 return None
             return (
                 EXIT_REFUSED,
                 "the SuperLink refused this node's key: the operator revoked it (or it was never "
                 "registered). Ask the operator; your cached work stays on disk.",
             )
-        if not connected_once and re.search(
+        if not self.connected_once and re.search(
             r"Connection refused|could not establish|ConnectError|timed out", log
         ):
             return EXIT_UNREACHABLE, f"cannot reach the coordinator's SuperLink at {self.invite.superlink}"
-        if not connected_once:
+        if not self.connected_once:
             tail = " | ".join(log.strip().splitlines()[-4:])
             return EXIT_FAILED, f"the SuperNode exited with {self.proc.returncode}: {tail}"
         self.say("lost the connection to the SuperLink; rejoining")
