@@ -69,9 +69,10 @@ def apply(poll_s: float, heartbeat_s: float) -> str:
 
 
 def session_hold_s(heartbeat_s: float) -> float:
-    """How long the SuperLink may keep a node online after the node stopped without telling it
-    (a crash, or a goodbye that did not arrive: Flower's SuperNode sends it once and ignores a
-    failure). Until then the node's key cannot be activated again."""
+    """How long the SuperLink may keep a node online after the node stopped without telling it:
+    a crash, or a goodbye that did not go out (Flower 1.41's SuperNode sends it once as it
+    unwinds, ignores a failure, and exits by force 5 s after the signal, goodbye sent or not).
+    Until then the node's key cannot be activated again."""
     return HEARTBEAT_PATIENCE * heartbeat_s + HOLD_MARGIN_S
 
 
