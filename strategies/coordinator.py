@@ -120,6 +120,15 @@ def idle_wait_s(quiet_s: float) -> float:
     return min(0.5, max(0.02, quiet_s / 10))
 
 
+def activations(grid, nodes) -> dict[int, str]:
+    """When the Grid last activated each of `nodes` (Flower's `NodeInfo.last_activated_at`: a
+    SuperNode's new session gets a new one); "" or absent where the Grid does not say, as a
+    simulation's does not."""
+    get_nodes = getattr(grid, "get_nodes", None)
+    infos = get_nodes() if get_nodes else ()
+    return {info.node_id: info.last_activated_at for info in infos if info.node_id in nodes}
+
+
 class Rejected(ValueError):
     """An upload that is refused, with a short cause (a metrics label) beside the reason."""
 
@@ -258,7 +267,8 @@ class Coordinator:
         self.in_flight: dict[str, Dispatch] = {}
         self.buffer: list[Update] = []
         self.pending_nodes: set[int] = set()  # parablock clients holding an unsent delta
-        self.withdrawn: set[int] = set()  # nodes that said they leave, until the Grid stops listing them
+        # nodes that said they leave -> when the Grid had last activated them (see refresh_nodes)
+        self.withdrawn: dict[int, str] = {}
         self.unavailable: set[int] = set()  # nodes Flower said are unreachable: no dispatch until a refresh
         # node -> when it may be asked again (run's clock): it runs another version, or the
         # direction check refused its last update
@@ -502,14 +512,21 @@ class Coordinator:
         run retries a node that was unavailable at the same virtual time however fast the machine
         runs; on a virtual clock at once when nothing is out, since nothing else would move it);
         joins and departures are events, ids stay stable. A node that withdrew counts as gone
-        while the Grid still lists it; once it is no longer listed it may come back as any node does."""
+        while the Grid still lists it in the session it left from; once it is no longer listed, or
+        listed as activated again (its owner joined again before a refresh saw the gap, or its
+        old session was held by a SuperLink that never got its goodbye), it may come back as any
+        node does."""
         if self.now() - self.last_refresh < self.refresh_every_s and not self.clock_stands_still():
             return
         self.last_refresh = self.now()
         self.unavailable.clear()
         listed = set(self.grid.get_node_ids())
-        self.withdrawn &= listed
-        joined, left = self.members.refresh(listed - self.withdrawn)
+        self.withdrawn = {node: at for node, at in self.withdrawn.items() if node in listed}
+        if self.withdrawn:  # listed still: back only if activated again since it withdrew
+            now = activations(self.grid, self.withdrawn)
+            for node in [n for n, at in self.withdrawn.items() if at and now.get(n) and now[n] != at]:
+                del self.withdrawn[node]
+        joined, left = self.members.refresh(listed - set(self.withdrawn))
         for node in joined:
             self.event("joined", node=node, client=self.members.client_id(node))
         for node in left:
@@ -525,9 +542,16 @@ class Coordinator:
             self.event("leaving", node=node, reason="withdrawing: collecting its last delta")
             self.dispatch(node, action="flush")
             return
-        self.withdrawn.add(node)
+        self.withdrawn[node] = activations(self.grid, {node}).get(node, "")
         self.members.present.discard(node)
-        self.event("left", node=node, client=self.members.client_id(node), reason="withdrew")
+        # `activated`: the session it left from, as the Grid stamps it ("" where it does not say)
+        self.event(
+            "left",
+            node=node,
+            client=self.members.client_id(node),
+            reason="withdrew",
+            activated=self.withdrawn[node],
+        )
         # its owner waits for this before stopping the node (Flower answers NODE_UNAVAILABLE for a
         # message whose node is gone, even when its reply had arrived). Nothing waits for the
         # answer, which is never pulled: a node already gone costs nothing.

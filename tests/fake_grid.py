@@ -3,8 +3,9 @@
 FakeGrid is a LocalGrid (the real ClientApp in this process) with a `script` hook that may
 make a node fail (an error reply) or replace a reply (a dishonest client), and with churn:
 `leave(node)` hides a node from get_node_ids (a message pushed to it gets what the
-SuperLink gives for a vanished node), `join(node)` adds or brings one back. Replies already
-computed for a node that leaves still come in: late replies from departed nodes.
+SuperLink gives for a vanished node), `join(node)` adds or brings one back, activated anew as
+the SuperLink would (get_nodes: a new `last_activated_at`, listed or not before). Replies
+already computed for a node that leaves still come in: late replies from departed nodes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
+from flwr.proto.node_pb2 import NodeInfo
 
 from fedrl.protocol import NOTICES, InstructionHead, TrainReport
 from fedrl.sim.local_grid import LocalGrid
@@ -24,11 +26,18 @@ class FakeGrid(LocalGrid):
         super().__init__(num_nodes, client_app)
         self.script = script or (lambda node, msg, reply: reply)
         self.present = set(self.contexts)
+        self.activated = dict.fromkeys(self.contexts, 1)  # each node's activations so far
         self.sent: list[tuple[int, dict]] = []  # (node, whole instruction) of every message pushed
         self.settings: dict[int, dict] = {}  # the settings last sent to each node
 
     def get_node_ids(self):
         return sorted(self.present)
+
+    def get_nodes(self):
+        return [
+            NodeInfo(node_id=n, last_activated_at=f"activation {self.activated[n]}")
+            for n in sorted(self.present)
+        ]
 
     def leave(self, node: int) -> None:
         self.present.discard(node)
@@ -40,6 +49,7 @@ class FakeGrid(LocalGrid):
                 run_id=1, node_id=node, node_config={}, state=RecordDict(), run_config={}
             )
         self.present.add(node)
+        self.activated[node] = self.activated.get(node, 0) + 1
 
     def held(self, node: int) -> dict:
         """The global adapter a node holds, in the wire dtype versions travel in: what its

@@ -254,6 +254,40 @@ def test_a_volunteer_that_leaves_is_dropped_at_once(tmp_path, monkeypatch, on_ex
         assert actions[-1] == "run-over" and actions.count("run-over") == 1, actions
 
 
+def test_a_volunteer_that_joins_again_while_still_listed_is_taken_back(tmp_path):
+    """A withdrawn node counts as gone while the Grid lists it in the session it left from (its
+    SuperNode still stopping, or held by a SuperLink that never got its goodbye). Its owner may
+    join again before any refresh saw it unlisted: the Grid then lists it as activated anew, and
+    it is taken back. Before, it stayed "withdrawn" for as long as it was listed, and was asked
+    nothing again: a run that needed it never ended."""
+    cfg = small_config(tmp_path, versions=6, buffer_size=1, min_nodes=3)
+    grid = FakeGrid(3, client_app)
+    volunteer = sorted(grid.contexts)[0]
+    state_dir = tmp_path / "volunteer"
+    grid.contexts[volunteer].node_config = {"state-dir": str(state_dir)}
+    actions = lambda: [instr["action"] for node, instr in grid.sent if node == volunteer]  # noqa: E731
+
+    def script(node, msg, reply):
+        if node == volunteer and actions() == ["train"]:
+            write_json(state_dir / LEAVE, {"on_exit": "flush"})  # leaves with its next reply
+        elif node != volunteer and actions()[-1:] == ["goodbye"] and grid.activated[volunteer] == 1:
+            (state_dir / LEAVE).unlink()  # its owner joins again, at once
+            grid.join(volunteer)
+        return reply
+
+    grid.script = script
+    summary = run_coordinator(grid, cfg)
+    events = [e for e in summary["events"] if e.get("node") == volunteer]
+    kinds = [e["kind"] for e in events]
+    left = kinds.index("left")
+    assert events[left]["reason"] == "withdrew" and events[left]["activated"] == "activation 1"
+    assert "joined" in kinds[left:] and "lost" not in kinds and "error" not in kinds, kinds
+    sent = actions()
+    goodbye = sent.index("goodbye")
+    assert sent[:goodbye] == ["train", "train"] and "train" in sent[goodbye:], sent
+    assert summary["versions"] >= 6
+
+
 def test_a_fedavg_run_says_goodbye_to_a_volunteer_and_tells_the_others_it_is_over(tmp_path):
     """In fedavg-lora no block is assigned: a goodbye and the run's end are instructions for every
     block (a goodbye with block 0 was refused by its own schema there, and the coordinator

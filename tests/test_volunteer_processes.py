@@ -190,6 +190,8 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
     withdrew = [e for e in events if e["kind"] == "left" and e.get("reason") == "withdrew"]
     assert withdrew, [e for e in events if e["kind"] in ("left", "leaving", "joined", "lost")]
     node_a = withdrew[0]["node"]
+    # the SuperLink stamps each session of a node: a comeback is seen even while the old one is listed
+    assert withdrew[0]["activated"] and withdrew[-1]["activated"], withdrew
     assert not [e for e in events if e["kind"] == "lost" and e["node"] == node_a]  # no deadline wait
     replies_a = [e for e in events if e["kind"] == "reply" and e["node"] == node_a]
     t_left = withdrew[0]["t"]
