@@ -259,8 +259,8 @@ def test_a_volunteer_that_joins_again_while_still_listed_is_taken_back(tmp_path)
     SuperNode still stopping, or held by a SuperLink that never got its goodbye). Its owner may
     join again before any refresh saw it unlisted: the Grid then lists it as activated anew, and
     it is taken back. Before, it stayed "withdrawn" for as long as it was listed, and was asked
-    nothing again: a run that needed it never ended."""
-    cfg = small_config(tmp_path, versions=6, buffer_size=1, min_nodes=3)
+    nothing again: a run that needed it, as this one does, never ended."""
+    cfg = small_config(tmp_path, versions=6, buffer_size=1, min_nodes=3, max_wall_s=60.0)  # a stall ends
     grid = FakeGrid(3, client_app)
     volunteer = sorted(grid.contexts)[0]
     state_dir = tmp_path / "volunteer"
@@ -271,8 +271,10 @@ def test_a_volunteer_that_joins_again_while_still_listed_is_taken_back(tmp_path)
         if node == volunteer and actions() == ["train"]:
             write_json(state_dir / LEAVE, {"on_exit": "flush"})  # leaves with its next reply
         elif node != volunteer and actions()[-1:] == ["goodbye"] and grid.activated[volunteer] == 1:
-            (state_dir / LEAVE).unlink()  # its owner joins again, at once
-            grid.join(volunteer)
+            (state_dir / LEAVE).unlink()  # its owner joins again, at once, and the others go:
+            grid.join(volunteer)  # the run cannot end without it
+            for other in sorted(grid.contexts)[1:]:
+                grid.leave(other)
         return reply
 
     grid.script = script
