@@ -448,8 +448,9 @@ def test_a_refused_activation_is_the_last_sessions_hold_for_two_heartbeats_and_a
     for heartbeat in ({}, {"heartbeat_s": "ten"}):  # a session file of an older fedrl, or a bad one
         write_json(home.session, {"pid": 1, "clean": True, "ended": 1000.0, **heartbeat})
         assert home.key_held_until() == 1000.0 + 2 * HEARTBEAT_S + HOLD_MARGIN_S
-    write_json(home.session, {"pid": 1, "clean": True, "ended": 1000.0, "connected": False})
-    assert home.key_held_until() == 0.0  # refused or unreachable last time: it held nothing
+    for ended in ({"clean": True, "ended": 1000.0}, {"clean": False}):  # left, or gave up (refused)
+        write_json(home.session, {"pid": 1, **ended, "connected": False})
+        assert home.key_held_until() == 0.0  # it never connected: it held nothing
     write_json(home.session, {"pid": 1, "clean": False, "started": 5.0, "heartbeat_s": 60.0})
     before = time.time()  # a crash: it stopped at an unknown moment, now at the latest
     held = home.key_held_until()

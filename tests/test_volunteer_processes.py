@@ -272,3 +272,8 @@ def test_a_revoked_key_is_refused_clearly(deployment):
     r.join()
     assert r.proc.wait(120) == 3, r.log()[-1500:]
     assert "refused this node's key" in r.log()
+    # joined again: refused at once too. Its last session never connected, so no session of it can
+    # be held (before, that session counted as a crash and the join retried for 150 s)
+    r.join()
+    assert r.proc.wait(60) == 3, r.log()[-1500:]
+    assert r.log().count("refused this node's key") == 2 and "still holds" not in r.log()

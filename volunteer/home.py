@@ -90,12 +90,12 @@ class VolunteerHome:
         session = self.last_session()
         heartbeat_s = session.get("heartbeat_s")
         hold = session_hold_s(heartbeat_s if isinstance(heartbeat_s, (int, float)) else HEARTBEAT_S)
+        if session.get("connected") is False:
+            return 0.0
         if session.get("clean") is False:
             return time.time() + hold
         ended = session.get("ended")
-        if not isinstance(ended, (int, float)) or session.get("connected") is False:
-            return 0.0
-        return ended + hold
+        return ended + hold if isinstance(ended, (int, float)) else 0.0
 
     def running_pid(self) -> int | None:
         """The pid of a `fedrl volunteer join` still at work on this home: its session did not

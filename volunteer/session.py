@@ -363,17 +363,29 @@ class Session:
         # not the last session's "left" or "run over"
         update_status(self.home.state_dir, phase="connecting", acknowledged=False, run_over=False)
         self.held_until = self.home.key_held_until()
-        session = {"pid": os.getpid(), "clean": False, "heartbeat_s": self.heartbeat_s}
-        write_json(self.home.session, {**session, "started": time.time()})
+        session = {
+            "pid": os.getpid(),
+            "clean": False,
+            "heartbeat_s": self.heartbeat_s,
+            "started": time.time(),
+        }
+        write_json(self.home.session, session)
         handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             code = self.start_and_serve()
+        except VolunteerError:
+            # it gave up (refused, unreachable): no clean withdrawal, but a node that never
+            # connected holds no session that the next join should wait out
+            write_json(self.home.session, {**session, "connected": self.connected_once})
+            raise
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
             self.stop_node()
-        ended = {"clean": True, "ended": time.time(), "connected": self.connected_once}
-        write_json(self.home.session, {**session, **ended})
+        write_json(
+            self.home.session,
+            {**session, "clean": True, "ended": time.time(), "connected": self.connected_once},
+        )
         (self.home.state_dir / LEAVE).unlink(missing_ok=True)
         return code
 
