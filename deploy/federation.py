@@ -152,7 +152,8 @@ class Federation:
                 if status.startswith("finished"):
                     return status
             if time.monotonic() > deadline:
-                raise DeployError(f"run {run_id} still {status} after {timeout_s} s")
+                said = f"; the coordinator's last events: {last_events(events)}" if events else ""
+                raise DeployError(f"run {run_id} still {status} after {timeout_s} s{said}")
             if progress:
                 progress(status)
             time.sleep(1)
@@ -186,6 +187,20 @@ def finished_since(events: Path, start: float, offset: int) -> tuple[bool, int]:
     except OSError:  # not written yet
         return False, offset
     return any(e["kind"] == "finished" and e.get("wall", 0) >= start for e in found), offset
+
+
+def last_events(events: Path, count: int = 8) -> str:
+    """The last `count` events of a run's events file, short (kind, node, reason): what a run that
+    did not end was doing."""
+    try:
+        found, _ = read_events(events)
+    except OSError:
+        return "none written"
+    brief = [
+        " ".join(str(e[k]) for k in ("t", "kind", "node", "version", "reason") if k in e)
+        for e in found[-count:]
+    ]
+    return " | ".join(brief) or "none written"
 
 
 def failure_of(log: str) -> str:

@@ -226,6 +226,30 @@ def test_waiting_for_a_run_asks_the_superlink_rarely_and_sees_the_end_in_its_eve
     assert seen and set(seen) == {"running"}  # progress every second in between
 
 
+def test_a_run_that_does_not_end_in_time_names_the_coordinators_last_events(tmp_path):
+    """A stalled run's error says what the coordinator last did (a CI run once waited 500 s on a
+    run and said only "still running")."""
+    (tmp_path / "ca.pem").write_text("not read here")
+    events = tmp_path / "events.jsonl"
+
+    class Stalled(Federation):
+        def run_status(self, run_id):
+            return "running"
+
+    federation = Stalled(tmp_path / "flwr", "127.0.0.1:9", tmp_path / "ca.pem")
+    with pytest.raises(
+        DeployError, match="still running after 1 s; the coordinator's last events: none written"
+    ):
+        federation.wait_run(7, 1, events=events)
+    lines = [{"t": float(i), "kind": "reply", "node": 42, "version": i} for i in range(10)]
+    lines.append({"t": 10.0, "kind": "left", "node": 42, "version": 9, "reason": "withdrew"})
+    events.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    with pytest.raises(DeployError) as err:
+        federation.wait_run(7, 1, events=events)
+    said = str(err.value).partition("last events: ")[2].split(" | ")
+    assert len(said) == 8 and said[0] == "3.0 reply 42 3" and said[-1] == "10.0 left 42 9 withdrew", said
+
+
 def test_a_local_deployments_nodes_share_the_cores_and_a_clientapp_keeps_to_its_threads(tmp_path):
     """Two nodes of `fedrl deploy local --nodes 2` with torch's default threads (every core each)
     trained 10-18x slower on 2 cores than with one each: OpenMP's threads spun in their waits. The

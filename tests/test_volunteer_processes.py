@@ -27,7 +27,7 @@ from rich.console import Console
 from waiting import wait_for
 
 from fedrl.clients.disk_state import load_from_disk
-from fedrl.deploy.federation import CONNECTION, DeployError, tool
+from fedrl.deploy.federation import CONNECTION, tool
 from fedrl.deploy.local import LocalDeployment
 from fedrl.invite import load_invite
 from fedrl.node_files import PROBE, STATUS, read_json
@@ -164,12 +164,8 @@ def test_volunteers_join_withdraw_rejoin_and_survive_a_kill(deployment):
         def a_at_work(status: str) -> None:  # A alone can end the run: if it exits, say why at once
             assert a.alive(), f"A exited while the run was {status}: {a.log()[-1500:]}"
 
-        events_file = deployment.run_dir / "events.jsonl"
-        try:
-            status = deployment.federation.wait_run(run_id, 500, a_at_work, events_file)
-        except DeployError as err:  # a stall: what the coordinator and A last said
-            tail = events_file.read_text().splitlines()[-8:]
-            raise AssertionError(f"{err}\nevents: {tail}\nA: {a.log()[-1500:]}") from err
+        # a stall's error names the coordinator's last events
+        status = deployment.federation.wait_run(run_id, 500, a_at_work, deployment.run_dir / "events.jsonl")
         assert status == "finished:completed"
         # the coordinator told A the run was over: withdrawing now waits for nothing
         wait_for(lambda: a.status().get("run_over"), 30, "A told the run is over")
