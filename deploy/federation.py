@@ -190,8 +190,8 @@ def finished_since(events: Path, start: float, offset: int) -> tuple[bool, int]:
 
 
 def last_events(events: Path, count: int = 8) -> str:
-    """The last `count` events of a run's events file, short (kind, node, reason): what a run that
-    did not end was doing."""
+    """The last `count` events of a run's events file, short (time, kind, node, version, reason):
+    what a run that did not end was doing."""
     try:
         found, _ = read_events(events)
     except OSError:

@@ -71,7 +71,7 @@ class Volunteer:
 
     def working(self, rounds: int) -> bool:
         """At work on a round after `rounds` done; fails at once if the volunteer has exited."""
-        assert self.proc.poll() is None, f"volunteer {self.name} exited: {self.log()[-1500:]}"
+        assert self.alive(), f"volunteer {self.name} exited: {self.log()[-1500:]}"
         status = self.status()
         return status.get("rounds", 0) >= rounds and status.get("phase") == "working"
 
