@@ -274,8 +274,7 @@ def train_steps(
     lm, part = adapter.lm, adapter.part
     part.set_all(lm.model, local)
     base = {n: local[n].clone() for n in names}
-    config = LearnerConfig(instr.method, lr=instr.lr, micro_batch=instr.micro_batch)
-    learner = Learner(part.make_trainable(lm.model, instr.block), config)
+    learner = Learner(part.make_trainable(lm.model, instr.block), LearnerConfig.of(instr))
     trainable = [n for n, p in lm.model.named_parameters() if p.requires_grad]
     if instr.keep_optimizer_state:
         learner.restore_moments(trainable, moments)

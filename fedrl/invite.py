@@ -27,7 +27,8 @@ from fedrl.protocol import LearnerSettings
 from fedrl.schema import OTHER_VERSION, PROTOCOL, SchemaError
 
 PREFIX = "fedrl-invite:"
-VERSION = 2  # 2: the invite names the federation's protocol (fedrl.schema.PROTOCOL)
+# 3: dg_eta and ppo_clip among the learner settings; 2: the invite names the federation's protocol
+VERSION = 3
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_INVITE_CHARS = 64 << 10
 

@@ -30,6 +30,17 @@ class LearnerConfig:
             raise ValueError(f"unknown method {self.method!r}; known: {sorted(LOSSES)}")
         at_least(self, 0, "micro_batch")
 
+    @classmethod
+    def of(cls, settings) -> LearnerConfig:
+        """The learner that a run's settings (an instruction, a run config) ask for: DG's gate
+        temperature and PPO's clip reach their own losses only."""
+        params = {
+            "dg": {"eta": settings.dg_eta},
+            "ppo": {"eps": settings.ppo_clip},
+            "decoupled_ppo": {"eps": settings.ppo_clip},
+        }.get(settings.method, {})
+        return cls(settings.method, lr=settings.lr, micro_batch=settings.micro_batch, loss_params=params)
+
 
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")  # torch.optim.Adam's per-parameter state
 

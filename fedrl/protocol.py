@@ -71,6 +71,10 @@ def check_learner(settings) -> None:
         if not 0 < getattr(s, name) < float("inf"):
             raise ValueError(f"{name} must be a finite number > 0, got {getattr(s, name)}")
     at_least(s, 0, "micro_batch")
+    if not 0 <= s.dg_eta < float("inf"):
+        raise ValueError(f"dg_eta must be a finite number >= 0 (0: the hard gate), got {s.dg_eta}")
+    if not 0 < s.ppo_clip < 1:
+        raise ValueError(f"ppo_clip must be in (0, 1), got {s.ppo_clip}")
 
 
 class LearnerSettings(Schema):
@@ -92,6 +96,9 @@ class LearnerSettings(Schema):
     # a node's Adam goes on from its last round on each tensor (DiLoCo's inner state) instead
     # of starting fresh every round
     keep_optimizer_state: bool = False
+    # DG's gate temperature: sigmoid(U * surprisal / dg_eta); the papers' 1, 0 the hard gate
+    dg_eta: float = 1.0
+    ppo_clip: float = 0.2  # PPO's clip range around the behaviour policy (ppo, decoupled_ppo)
 
     @model_validator(mode="after")
     def _learnable(self):

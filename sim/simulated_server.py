@@ -98,7 +98,7 @@ def calibrate_step_s(cfg: RunConfig, repeats: int = 3) -> float:
     block = ALL_BLOCKS if cfg.mode == "fedavg-lora" else 0
     learner = Learner(
         adapter.part.make_trainable(adapter.lm.model, block),
-        LearnerConfig(cfg.method, lr=cfg.lr, micro_batch=cfg.micro_batch),
+        LearnerConfig.of(cfg),
     )
     rng, gen = np.random.default_rng(cfg.seed), torch.Generator().manual_seed(cfg.seed)
     times = []

@@ -46,6 +46,8 @@ class RunConfig(Schema):
     temperature: float = 1.0  # sampling temperature of the actors (the learner's policy is the same)
     micro_batch: int = 0  # learner rows per backward pass (whole prompt groups); 0: the whole batch
     keep_optimizer_state: bool = False  # each node's Adam state per tensor lives on across its rounds
+    dg_eta: float = 1.0  # DG's gate temperature (the papers': 1; 0: the hard gate); other methods ignore it
+    ppo_clip: float = 0.2  # PPO's clip range (ppo, decoupled_ppo); other methods ignore it
     schedule: str = "cyclic"  # cyclic | random | lru
     base_steps: int = 6  # local steps for a client of median speed
     min_steps: int = 1

@@ -158,3 +158,40 @@ def test_a_learner_restored_from_its_moments_takes_the_step_an_unbroken_one_take
     assert restarted.moments(["w"]) == {}
     with pytest.raises(ValueError, match="2 names for 1 trainable parameters"):
         restarted.moments(["w", "v"])
+
+
+@pytest.mark.parametrize(
+    "method, params",
+    [("dg", {"eta": 0.0}), ("ppo", {"eps": 0.05}), ("decoupled_ppo", {"eps": 0.05}), ("reinforce", {})],
+)
+def test_a_runs_gate_temperature_and_clip_reach_their_own_loss_and_no_other(method, params):
+    """`dg_eta` and `ppo_clip` of a run config travel in every instruction (`LearnerSettings`)
+    and become the learner's loss parameters: the step is the one the loss takes with them, not
+    its default's, and a setting of one method is no error in another's run."""
+    from fedrl.strategies.run_config import RunConfig
+
+    config = LearnerConfig.of(RunConfig.parse({"method": method, "dg_eta": 0.0, "ppo_clip": 0.05}))
+    assert (config.method, config.loss_params) == (method, params)
+    task = ReversalTask(length=4)
+    actor = tiny_model(1, alphabet="01")  # another policy's answers: PPO's ratios are not all 1
+    batch = score(task, rollout(actor, task, task.sample(4, np.random.default_rng(1)), 4))
+    steps = []
+    same = {"lr": config.lr, "micro_batch": config.micro_batch}
+    explicit = LearnerConfig(method, loss_params=params, **same)
+    for learner_config in (config, explicit, LearnerConfig(method, **same)):
+        lm = tiny_model(0, alphabet="01")
+        metrics = lm_update(Learner(list(lm.model.parameters()), learner_config), lm.model, batch)
+        steps.append((metrics, [p.detach().clone() for p in lm.model.parameters()]))
+    (ours, after), (explicit, after_explicit), (default, after_default) = steps
+    assert ours == explicit and all(torch.equal(a, b) for a, b in zip(after, after_explicit))
+    if method in ("dg", "ppo"):  # decoupled PPO's first step is at ratio 1, whatever its clip
+        assert not all(torch.equal(a, b) for a, b in zip(after, after_default))
+
+
+def test_a_gate_temperature_or_clip_out_of_range_is_refused_by_name():
+    from fedrl.strategies.run_config import RunConfig
+
+    with pytest.raises(ValueError, match="dg_eta must be a finite number >= 0"):
+        RunConfig.parse({"dg_eta": -0.5})
+    with pytest.raises(ValueError, match="ppo_clip must be in \\(0, 1\\)"):
+        RunConfig.parse({"ppo_clip": 1.5})
