@@ -177,13 +177,13 @@ def test_a_runs_gate_temperature_and_clip_reach_their_own_loss_and_no_other(meth
     batch = score(task, rollout(actor, task, task.sample(4, np.random.default_rng(1)), 4))
     steps = []
     same = {"lr": config.lr, "micro_batch": config.micro_batch}
-    explicit = LearnerConfig(method, loss_params=params, **same)
-    for learner_config in (config, explicit, LearnerConfig(method, **same)):
+    by_hand = LearnerConfig(method, loss_params=params, **same)
+    for learner_config in (config, by_hand, LearnerConfig(method, **same)):
         lm = tiny_model(0, alphabet="01")
         metrics = lm_update(Learner(list(lm.model.parameters()), learner_config), lm.model, batch)
         steps.append((metrics, [p.detach().clone() for p in lm.model.parameters()]))
-    (ours, after), (explicit, after_explicit), (default, after_default) = steps
-    assert ours == explicit and all(torch.equal(a, b) for a, b in zip(after, after_explicit))
+    (ours, after), (theirs, after_by_hand), (_, after_default) = steps
+    assert ours == theirs and all(torch.equal(a, b) for a, b in zip(after, after_by_hand))
     if method in ("dg", "ppo"):  # decoupled PPO's first step is at ratio 1, whatever its clip
         assert not all(torch.equal(a, b) for a, b in zip(after, after_default))
 
