@@ -7,6 +7,7 @@ from fedrl.learner import Learner, LearnerConfig, lm_update, micro_batches
 from fedrl.losses import PGBatch
 from fedrl.models import TINY_MODELS, tiny_model
 from fedrl.rollout import greedy_error, rollout, score, token_logprobs
+from fedrl.strategies.run_config import RunConfig
 from fedrl.tasks import ReversalTask
 
 
@@ -168,8 +169,6 @@ def test_a_runs_gate_temperature_and_clip_reach_their_own_loss_and_no_other(meth
     """`dg_eta` and `ppo_clip` of a run config travel in every instruction (`LearnerSettings`)
     and become the learner's loss parameters: the step is the one the loss takes with them, not
     its default's, and a setting of one method is no error in another's run."""
-    from fedrl.strategies.run_config import RunConfig
-
     config = LearnerConfig.of(RunConfig.parse({"method": method, "dg_eta": 0.0, "ppo_clip": 0.05}))
     assert (config.method, config.loss_params) == (method, params)
     task = ReversalTask(length=4)
@@ -189,8 +188,6 @@ def test_a_runs_gate_temperature_and_clip_reach_their_own_loss_and_no_other(meth
 
 
 def test_a_gate_temperature_or_clip_out_of_range_is_refused_by_name():
-    from fedrl.strategies.run_config import RunConfig
-
     with pytest.raises(ValueError, match="dg_eta must be a finite number >= 0"):
         RunConfig.parse({"dg_eta": -0.5})
     with pytest.raises(ValueError, match="ppo_clip must be in \\(0, 1\\)"):

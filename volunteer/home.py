@@ -88,10 +88,10 @@ class VolunteerHome:
         one told the SuperLink, but that goodbye is not confirmed (session_hold_s); one that never
         connected holds nothing."""
         session = self.last_session()
-        heartbeat_s = session.get("heartbeat_s")
-        hold = session_hold_s(heartbeat_s if isinstance(heartbeat_s, (int, float)) else HEARTBEAT_S)
         if session.get("connected") is False:
             return 0.0
+        heartbeat_s = session.get("heartbeat_s")
+        hold = session_hold_s(heartbeat_s if isinstance(heartbeat_s, (int, float)) else HEARTBEAT_S)
         if session.get("clean") is False:
             return time.time() + hold
         ended = session.get("ended")
