@@ -298,19 +298,10 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
-def changed_positions(
-    base_bits: np.ndarray, new_bits: np.ndarray, dtype: torch.dtype
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Sorted flat positions where two bit patterns differ, and the sample of the base's
-    exponents that the near tier's estimate takes (None where a tensor gets no tier)."""
+def changed_positions(base_bits: np.ndarray, new_bits: np.ndarray) -> np.ndarray:
+    """Sorted flat positions where two bit patterns differ."""
     out = _SCRATCH.get("positions", base_bits.size, np.int64)
-    sampled, stride, mantissa = np.zeros(1, np.int64), 0, 0  # stride 0: no sample
-    tiered = dtype in _FLOAT_LAYOUT and base_bits.size >= NEAR_MIN_NUMEL
-    if tiered:
-        mantissa, exponent = _FLOAT_LAYOUT[dtype]
-        sampled, stride = np.zeros(1 << exponent, np.int64), _sample_stride(base_bits.size)
-    count = patch_kernels.changed_into(base_bits, new_bits, out, stride, mantissa, sampled)
-    return out[:count].copy(), sampled if tiered else None
+    return out[: patch_kernels.changed_into(base_bits, new_bits, out)].copy()
 
 
 def _near_pass(bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
@@ -320,7 +311,8 @@ def _near_pass(bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
 
     The tier lists its values by exponent, then by position. How often a value moves, and by how
     many ulps, follows its exponent, so flags and values of one exponent sit together and zstd
-    codes each run near its own rate (3-7% smaller patches on SmolLM2's blocks)."""
+    codes each run near its own rate: on SmolLM2's lr 3e-6 patches at least 99% sparse, in
+    position order they were 4-48% larger (flags alone in position order: 1-28%)."""
     mantissa, exponent = _FLOAT_LAYOUT[dtype]
     magnitude_mask, limit = _near_limits(bits, dtype, below)
     found = _SCRATCH.get("found", bits.size, np.int64)
@@ -332,6 +324,29 @@ def _near_pass(bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
         found,
         _SCRATCH.get("positions", bits.size, np.int64),
     )
+
+
+def tier_changes(base_bits: np.ndarray, new_bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
+    """A tiered tensor's changes (`patch_kernels.tier_into`, one pass over base and new): the
+    near tier's flags; the near values that changed, in the tier's order, and their bits before
+    and after; and the far changes."""
+    size, word = base_bits.size, base_bits.dtype
+    near, far = _SCRATCH.get("near", size, np.int64), _SCRATCH.get("far", size, np.int64)
+    values = _SCRATCH.get("values", 2 * size, word).reshape(2, size)
+    flags = _SCRATCH.get("flags", (size + 7) // 8, np.uint8)
+    held, moved, outside = patch_kernels.tier_into(
+        base_bits,
+        new_bits,
+        *_near_pass(base_bits, dtype, below)[:-1],
+        _SCRATCH.get("positions", size, np.int64),
+        _SCRATCH.get("kept", 4 * size, word).reshape(4, size),
+        flags,
+        near,
+        values,
+        far,
+    )
+    copies = (near[:moved].copy(), values[0, :moved].copy(), values[1, :moved].copy(), far[:outside].copy())
+    return flags[: (held + 7) // 8].tobytes(), *copies
 
 
 # ---------------------------------------------------------------- index coding
@@ -456,23 +471,18 @@ def _array(data, dtype) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)
 
 
-def encode_values(
-    base_bits: np.ndarray, new_bits: np.ndarray, positions: np.ndarray, is_float: bool
-) -> tuple[str, str, bytes, bytes, np.ndarray]:
-    """The smallest exact form of the values changed at `positions`: one direction bit each when
-    every change is one ulp ("sign", the common case at RL learning rates), the zigzagged ulp
-    distance in the narrowest width with the rest escaped ("delta"), or the new bits themselves
-    ("raw"); and the new bits (what the changes hash covers)."""
+def encode_values(before: np.ndarray, after: np.ndarray, is_float: bool) -> tuple[str, str, bytes, bytes]:
+    """The smallest exact form of changed values, given their bits `before` and `after`: one
+    direction bit each when every change is one ulp ("sign", the common case at RL learning
+    rates), the zigzagged ulp distance in the narrowest width with the rest escaped ("delta"),
+    or the new bits themselves ("raw")."""
     # wraps mod 2**bits, and so does decoding: exact for any pair of bit patterns
-    full = new_bits.dtype
+    full = after.dtype
     narrower = _WIDTHS[: _WIDTHS.index(full.type)]
-    z, after = np.empty(positions.size, full), np.empty(positions.size, full)
-    escapes = np.zeros(len(narrower), np.int64)
-    lowest, highest = patch_kernels.distances_into(
-        base_bits, new_bits, positions, is_float, z, after, escapes
-    )
+    z, escapes = np.empty(after.size, full), np.zeros(len(narrower), np.int64)
+    lowest, highest = patch_kernels.distances_into(before, after, is_float, z, escapes)
     if z.size == 0 or (lowest >= 1 and highest <= 2):
-        return "sign", "bit", np.packbits(z == 2, bitorder="little").tobytes(), b"", after
+        return "sign", "bit", np.packbits(z == 2, bitorder="little").tobytes(), b""
     best = (None, z.size * full.itemsize)  # None: the new bits themselves
     for width, escaped in zip(narrower, escapes):
         size = z.size * _ITEMSIZE[width] + int(escaped) * full.itemsize
@@ -480,9 +490,9 @@ def encode_values(
             best = (width, size)
     width = best[0]
     if width is None:
-        return "raw", _NAME[full.type], shuffle_bytes(after), b"", after
+        return "raw", _NAME[full.type], shuffle_bytes(after), b""
     planes, large = _narrowed(z, width, int(escapes[narrower.index(width)]))
-    return "delta", _NAME[width], planes, large, after
+    return "delta", _NAME[width], planes, large
 
 
 _VALUE_KINDS = {
@@ -526,25 +536,22 @@ def _near_limits(bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
 
 
 NEAR_MIN_NUMEL = 1024  # smaller tensors get no near tier
+SAMPLE_RUNS, SAMPLE_RUN = 16, 1024  # the tier's estimate reads this many runs of values a tensor
 
 
-def _sample_stride(numel: int) -> int:
-    return max(1, numel // 16384)
-
-
-def choose_near_tier(
-    base_bits: np.ndarray, idx: np.ndarray, dtype: torch.dtype, sampled: np.ndarray | None
-) -> int:
+def choose_near_tier(base_bits: np.ndarray, new_bits: np.ndarray, dtype: torch.dtype) -> int:
     """The exponent `below` which a tensor's changes travel as flags (0: no near tier).
 
-    Estimated, not tried (`patch_kernels.near_tier`): how many values sit under each exponent
-    comes from `sampled`, a strided sample of the base (`changed_positions`; None: no tier for
-    this tensor), how many of them changed from `idx`. A wrong guess costs bytes, never
-    exactness."""
-    if sampled is None:
+    Estimated before the changes are found, so that one pass finds them and the tier's values
+    (`tier_changes`): from SAMPLE_RUNS runs of SAMPLE_RUN values spread over the tensor, how
+    many values sit under each exponent and how many of them changed (`patch_kernels.near_tier`).
+    On SmolLM2's lr 3e-6 patches at least 99% sparse the bytes stayed within 3% of a choice
+    from every change (within 1% on all but one), the smallest ratio the same. A wrong guess
+    costs bytes, never exactness."""
+    if dtype not in _FLOAT_LAYOUT or base_bits.size < NEAR_MIN_NUMEL:
         return 0
-    mantissa, _ = _FLOAT_LAYOUT[dtype]
-    return patch_kernels.near_tier(base_bits, idx, mantissa, sampled, _sample_stride(base_bits.size))
+    mantissa, exponent = _FLOAT_LAYOUT[dtype]
+    return patch_kernels.near_tier(base_bits, new_bits, mantissa, 1 << exponent, SAMPLE_RUNS, SAMPLE_RUN)
 
 
 # ---------------------------------------------------------------- encode
@@ -636,12 +643,14 @@ def _encode_joint(
         _check_alike(name, base[name], new[name])
     base_bits = np.concatenate([to_bits(base[n]) for n in members])
     new_bits = np.concatenate([to_bits(new[n]) for n in members])
-    idx, sampled = changed_positions(base_bits, new_bits, base[members[0]].dtype)
+    encoded = _encode_changes(base_bits, new_bits, base[members[0]].dtype)
+    if encoded is None:
+        return None
+    entry, parts, writes = encoded
     ends = np.cumsum([base[n].numel() for n in members])
-    touched = np.unique(np.searchsorted(ends, idx, side="right"))
+    touched = np.unique(np.searchsorted(ends, np.concatenate(writes[0::2]), side="right"))
     if touched.size < 2:
         return None
-    entry, parts, writes = _encode_changes(base_bits, new_bits, idx, base[members[0]].dtype, sampled)
     dense = sum(to_bits(base[members[i]]).nbytes for i in touched)
     return (entry, parts, writes) if sum(len(data) for data in parts) < dense else None
 
@@ -659,53 +668,43 @@ def _encode_tensor(
     new_bits = to_bits(t)
     if b is not None:
         _check_alike(name, b, t)
-        base_bits = to_bits(b)
-        idx, sampled = changed_positions(base_bits, new_bits, t.dtype)
-        if idx.size == 0:
+        encoded = _encode_changes(to_bits(b), new_bits, t.dtype)
+        if encoded is None:
             return None, [], []
-        entry, parts, written = _encode_changes(base_bits, new_bits, idx, t.dtype, sampled)
+        entry, parts, written = encoded
         if sum(len(data) for data in parts) < new_bits.nbytes:
             return entry, parts, written
     return {"mode": "dense", "count": int(new_bits.size)}, [new_bits.tobytes()], [new_bits]
 
 
 def _encode_changes(
-    base_bits: np.ndarray,
-    new_bits: np.ndarray,
-    idx: np.ndarray,
-    dtype: torch.dtype,
-    sampled: np.ndarray | None,
-) -> tuple[dict, list[bytes], list[np.ndarray]]:
-    """A changed tensor as "sparse" (gaps and values) or "tiered" (near flags, then the same),
-    and what it writes: positions and new bits, far then near; `sampled`: see `changed_positions`."""
-    below = choose_near_tier(base_bits, idx, dtype, sampled)
-    entry: dict = {"mode": "tiered" if below else "sparse", "count": int(idx.size)}
+    base_bits: np.ndarray, new_bits: np.ndarray, dtype: torch.dtype
+) -> tuple[dict, list[bytes], list[np.ndarray]] | None:
+    """A tensor's changes as "sparse" (gaps and values) or "tiered" (near flags, then the same),
+    and what it writes: positions and new bits, far then near; None where nothing changed."""
+    below = choose_near_tier(base_bits, new_bits, dtype)
+    if below:
+        flags, near, near_before, near_after, idx = tier_changes(base_bits, new_bits, dtype, below)
+    else:
+        idx = changed_positions(base_bits, new_bits)
+    count = idx.size + (near.size if below else 0)
+    if count == 0:
+        return None
+    entry: dict = {"mode": "tiered" if below else "sparse", "count": count}
     if below:
         entry["below"] = below
-        tier = _near_pass(base_bits, dtype, below)  # its magnitude mask and bound first
-        near = tier[-1][: patch_kernels.near_into(base_bits, *tier)]
-        flags, near_changed, far = (
-            np.empty((near.size + 7) // 8, np.uint8),
-            np.empty_like(near),
-            np.empty_like(idx),
-        )
-        moved, outside = patch_kernels.split_tier(
-            base_bits, new_bits, idx, near, *tier[:2], flags, near_changed, far
-        )
-        near_changed, idx = near_changed[:moved], far[:outside]  # the far changes travel as gaps
-        near_as, near_width, near_values, near_escapes, near_new = encode_values(
-            base_bits, new_bits, near_changed, True
-        )
-    index, index_width, index_escapes = encode_indices(idx)
-    kind, width, values, escapes, far_new = encode_values(base_bits, new_bits, idx, dtype.is_floating_point)
+    index, index_width, index_escapes = encode_indices(idx)  # idx: the far changes, where tiered
+    far_after = new_bits[idx]
+    kind, width, values, escapes = encode_values(base_bits[idx], far_after, dtype.is_floating_point)
     entry.update(index_width=index_width, values_as=kind, value_width=width)
     sparse = [index, index_escapes, values, escapes]  # the order of _SECTIONS
-    written = [idx, far_new]
+    written = [idx, far_after]
     if not below:
         return entry, sparse, written
+    near_as, near_width, near_values, near_escapes = encode_values(near_before, near_after, True)
     entry.update(near_as=near_as, near_width=near_width)
-    written += [near_changed, near_new]
-    return entry, [flags.tobytes(), *sparse, near_values, near_escapes], written
+    written += [near, near_after]
+    return entry, [flags, *sparse, near_values, near_escapes], written
 
 
 # ---------------------------------------------------------------- decode

@@ -1,24 +1,28 @@
 """The patch codec's loops, compiled (numba): every pass over a tensor's values or over a
 stream of changes. `fedrl.patch` keeps the format, the checks and their messages.
 
-The two passes over every value (where base and new differ; the near tier's positions) read a
-tensor's bit patterns once, BLOCK values at a time: one vector compare over the block makes a
-64-bit mask (`_differ_block`, `_under_block`), and only its set bits are visited
-(count-trailing-zeros). At RL learning rates about 1% of a tensor's values change and 0.5-2%
-are near (see `fedrl.patch._near_limits`), so most of the time goes to reading. Over SmolLM2's
-6-layer block (21M bf16 values, its tensors laid end to end; a warm memcpy of them: 2.7 ms),
-against the numpy whole-array steps they replace (a temporary per step, then `flatnonzero`
-over the mask): changed positions 7.3 -> 4.1 ms; near positions by exponent 9.5 -> 3.3 ms
-with 0.5% of the values near and 17.8 -> 9.0 ms with 1.9% (there the counting sort by
-exponent takes about half). A branch per block to skip empty ones, or a store per value with
-the count bumped by the test, ran at 8 ms where the mask ran at 3.8 (1.9% near, no sort).
+The passes over every value (where base and new differ; the near tier's positions; both at
+once for a tiered tensor's encoding, `tier_into`) read a tensor's bit patterns once, BLOCK
+values at a time: one vector compare over the block makes a 64-bit mask (`_differ_block`,
+`_under_block`), and only its set bits are visited (count-trailing-zeros). At RL learning
+rates about 1% of a tensor's values change and 0.5-2% are near (see `fedrl.patch._near_limits`),
+so most of the time goes to reading. Over SmolLM2's 6-layer block (21M bf16 values, its
+tensors laid end to end; a warm memcpy of them: 2.7 ms), against the numpy whole-array steps
+they replace (a temporary per step, then `flatnonzero` over the mask): changed positions 7.3
+-> 4.1 ms; near positions by exponent 9.5 -> 3.3 ms with 0.5% of the values near and 17.8 ->
+9.0 ms with 1.9% (there the counting sort by exponent takes about half). A branch per block to
+skip empty ones, or a store per value with the count bumped by the test, ran at 8 ms where the
+mask ran at 3.8 (1.9% near, no sort).
 
-The passes over the changes (their ulp distances, the scatter that writes them, the tier's
-split into flags and far changes, gaps and Rice codes both ways, the near tier's estimate) were
-a dozen numpy calls each on arrays of a few thousand entries: on that block, about 120 µs a
-tensor of Python and call overhead, more than the passes over every value took. Each kernel
-reads what it needs where it lies (positions into base and new, a value stream's byte planes
-or sign bits as they travel), instead of gathered copies or arrays rebuilt first.
+The passes over the changes (their ulp distances, the scatter that writes them, gaps and Rice
+codes both ways, the near tier's estimate) were a dozen numpy calls each on arrays of a few
+thousand entries: on that block, about 120 µs a tensor of Python and call overhead, more than
+the passes over every value took. Each kernel reads what it needs where it lies (positions
+into base and new, a value stream's byte planes or sign bits as they travel), instead of
+gathered copies or arrays rebuilt first; the one exception is the ulp distances, which take
+the changes' bits before and after: `tier_into` keeps a near change's bits while its block is
+at hand, where reading them again in the tier's order (by exponent, scattered) took 2.7 ms of
+an encode on that block at lr 3e-6, k = 2.
 
 The kernels write into buffers the caller owns and return how many entries they wrote.
 Compiled code is kept on disk beside this file (or in the user's cache directory): the first
@@ -157,32 +161,18 @@ def _under_block(typingctx, bits, magnitude_mask, limit, start):
 
 
 @_compiled
-def changed_into(base, new, out, stride: int, mantissa: int, sampled) -> int:
-    """Writes the sorted positions where `base` and `new` differ into `out` (room for all).
-    With `stride` > 0 it also counts the exponent fields of `base`'s every `stride`-th value
-    into `sampled` (one bin each; the near tier's estimate) while their block is at hand: apart,
-    that sample's scattered reads took 1.2 ms of an encode's 12 on SmolLM2's block."""
+def changed_into(base, new, out) -> int:
+    """Writes the sorted positions where `base` and `new` differ into `out` (room for all)."""
     n, count = base.size, 0
     full = n - n % BLOCK
-    sample = 0 if stride > 0 else n
     for start in range(0, full, BLOCK):
         count = _write_set_bits(_differ_block(base, new, start), start, out, count)
-        sample = _count_exponents(base, sample, start + BLOCK, stride, mantissa, sampled)
-    _count_exponents(base, sample, n, stride, mantissa, sampled)
     return _write_set_bits(_differ_mask(base, new, full, n - full), full, out, count)
 
 
-@njit(inline="always")
-def _count_exponents(bits, at, end, stride, mantissa, counts):
-    """Counts the exponent fields of `bits` at `at`, `at + stride` ... before `end`; the next `at`."""
-    while at < end:
-        counts[(np.int64(bits[at]) >> mantissa) & (counts.size - 1)] += 1
-        at += stride
-    return at
-
-
-EXPONENT_SHIFT = 48  # `near_into` keeps a value's exponent field above its position (< 2**48)
-POSITION_BITS = (1 << EXPONENT_SHIFT) - 1
+EXPONENT_SHIFT = 48  # the near passes keep a value's exponent field above its position
+CHANGED_BIT = 47  # and, in `tier_into`, whether it changed just under it
+POSITION_BITS = (1 << CHANGED_BIT) - 1  # positions < 2**47
 
 
 @_compiled
@@ -193,34 +183,91 @@ def near_into(bits, magnitude_mask, limit, mantissa: int, bins: int, found, out)
     n, count = bits.size, 0
     starts = np.zeros(bins + 1, np.int64)  # signed throughout: numba mixes signs into float64
     full = n - n % BLOCK
+    nothing, none = np.uint64(0), np.empty((4, 0), bits.dtype)  # no value changes: none is kept
     for start in range(0, full, BLOCK):
         mask = _under_block(bits, magnitude_mask, limit, start)
-        count = _write_near(bits, mask, start, mantissa, bins, found, count, starts)
+        count = _write_near(bits, bits, mask, nothing, start, mantissa, found, count, starts, none)
     mask = _under_mask(bits, magnitude_mask, limit, full, n - full)
-    count = _write_near(bits, mask, full, mantissa, bins, found, count, starts)
-    for e in range(bins):
-        starts[e + 1] += starts[e]
-    for i in range(count):
-        exponent = found[i] >> EXPONENT_SHIFT
-        out[starts[exponent]] = found[i] & POSITION_BITS
-        starts[exponent] += 1
+    count = _write_near(bits, bits, mask, nothing, full, mantissa, found, count, starts, none)
+    _by_exponent(found, count, starts, out, POSITION_BITS, none)
     return count
 
 
+@_compiled
+def tier_into(
+    base, new, magnitude_mask, limit, mantissa: int, bins: int, found, order, kept, flags, near, values, far
+) -> tuple[int, int, int]:
+    """A tiered tensor's changes in one pass over `base` and `new`: the changes outside the tier
+    (sorted) into `far`; for each near value (`base & magnitude_mask` under `limit`, ordered as
+    `near_into` orders them) a flag, packed least significant bit first into `flags`, set where
+    it changed; and the near values that changed, in the tier's order: their positions into
+    `near`, their bits before and after into `values`' two rows. `found`, `order` and `kept`
+    (four rows of `base`'s dtype): scratch with room for every position. Returns how many values
+    are near, how many of them changed, and how many changes are far.
+
+    Apart (the changes, then the near values, then a split that read base and new again at each
+    near value in the tier's order, scattered), the three passes read the base twice and took
+    9.0-9.7 ms of an encode on SmolLM2's 6-layer block at lr 3e-6, k = 2; in one, 5.2-5.4 ms,
+    and the near changes' values are at hand for their distances."""
+    n, count, outside = base.size, 0, 0
+    starts = np.zeros(bins + 1, np.int64)
+    full = n - n % BLOCK
+    for start in range(0, full, BLOCK):
+        differ = _differ_block(base, new, start)
+        under = _under_block(base, magnitude_mask, limit, start)
+        outside = _write_set_bits(differ & ~under, start, far, outside)
+        count = _write_near(base, new, under, differ, start, mantissa, found, count, starts, kept)
+    differ = _differ_mask(base, new, full, n - full)
+    under = _under_mask(base, magnitude_mask, limit, full, n - full)
+    outside = _write_set_bits(differ & ~under, full, far, outside)
+    count = _write_near(base, new, under, differ, full, mantissa, found, count, starts, kept)
+    _by_exponent(found, count, starts, order, (1 << EXPONENT_SHIFT) - 1, kept)
+    flags[: (count + 7) // 8] = 0
+    moved = 0
+    for i in range(count):
+        if order[i] >> CHANGED_BIT:
+            flags[i >> 3] |= np.uint8(1 << (i & 7))
+            near[moved] = order[i] & POSITION_BITS
+            values[0, moved], values[1, moved] = kept[2, i], kept[3, i]
+            moved += 1
+    return count, moved, outside
+
+
 @njit(inline="always")
-def _write_near(bits, mask, start, mantissa, bins, found, count, starts):
+def _write_near(bits, new, mask, changed, start, mantissa, found, count, starts, kept):
     """`_write_set_bits` that also counts each value's exponent field (read while the block is at
-    hand) and keeps it in `found` above the position, for the counting sort. Against reading
-    the exponents again after the pass, on SmolLM2's block: 4.3 -> 3.0 ms with 1% of the values
-    near, 12.9 -> 9.7 ms with 7.5%."""
+    hand) and keeps it in `found` above the position, with the value's bit of `changed` under
+    it, for the counting sort; a value that changed has its bits before and after kept at the
+    same index (`kept`'s first two rows). Against reading the exponents again after the pass,
+    on SmolLM2's block: 4.3 -> 3.0 ms with 1% of the values near, 12.9 -> 9.7 ms with 7.5%."""
     while mask:
-        at = start + np.int64(_trailing_zeros(mask))
-        exponent = (np.int64(bits[at]) >> mantissa) & (bins - 1)
-        found[count] = at | (exponent << EXPONENT_SHIFT)
+        bit = _trailing_zeros(mask)
+        at = start + np.int64(bit)
+        exponent = (np.int64(bits[at]) >> mantissa) & (starts.size - 2)  # bins - 1
+        moved = (changed >> bit) & np.uint64(1)
+        found[count] = at | (np.int64(moved) << CHANGED_BIT) | (exponent << EXPONENT_SHIFT)
+        if kept.shape[1]:  # every near value's, not a branch on whether it changed (mispredicted)
+            kept[0, count], kept[1, count] = bits[at], new[at]
         starts[exponent + 1] += 1
         count += 1
         mask &= mask - np.uint64(1)
     return count
+
+
+@njit(inline="always")
+def _by_exponent(found, count, starts, out, keep, kept) -> None:
+    """The counting sort's placing: `found`'s entries into `out` by exponent field, then in the
+    order found (`starts[e + 1]`: how many have field e), each masked by `keep`; the bits kept
+    for a changed value move with it (`kept`'s first two rows into its last two)."""
+    for e in range(starts.size - 1):
+        starts[e + 1] += starts[e]
+    for i in range(count):
+        exponent = found[i] >> EXPONENT_SHIFT
+        at = starts[exponent]
+        out[at] = found[i] & keep
+        if kept.shape[1]:
+            kept[2, at], kept[3, at] = kept[0, i], kept[1, i]
+        starts[exponent] += 1
 
 
 @_compiled
@@ -254,19 +301,18 @@ def _layout(bits, is_float):
 
 
 @_compiled
-def distances_into(base, new, positions, is_float: bool, z, after, at_least) -> tuple[int, int]:
-    """Each change's ulp distance at `positions` (`new`'s key minus `base`'s, mod 2**width)
-    zigzagged into `z`: 0, -1, 1, -2 ... -> 0, 1, 2, 3 ..., and its new bits into `after`.
-    Returns the smallest and largest, and adds to `at_least[i]` how many are at least
-    2**(8 * 2**i) - 1 (escapes in a narrower width)."""
-    top, all_ones, magnitude = _layout(base, is_float)
+def distances_into(before, after, is_float: bool, z, at_least) -> tuple[int, int]:
+    """Each change's ulp distance (the key of its bits `after` minus that of its bits `before`,
+    mod 2**width) zigzagged into `z`: 0, -1, 1, -2 ... -> 0, 1, 2, 3 .... Returns the smallest
+    and largest, and adds to `at_least[i]` how many are at least 2**(8 * 2**i) - 1 (escapes in
+    a narrower width)."""
+    top, all_ones, magnitude = _layout(before, is_float)
     lowest, highest = all_ones, np.uint64(0)
-    for i in range(positions.size):
-        before, now = np.uint64(base[positions[i]]), np.uint64(new[positions[i]])
-        d = (_key(now, magnitude, top) - _key(before, magnitude, top)) & all_ones
+    for i in range(before.size):
+        now, was = _key(np.uint64(after[i]), magnitude, top), _key(np.uint64(before[i]), magnitude, top)
+        d = (now - was) & all_ones
         zig = ((d << np.uint64(1)) & all_ones) ^ (all_ones if d >> top else np.uint64(0))
         z[i] = zig
-        after[i] = now
         lowest, highest = min(lowest, zig), max(highest, zig)
         _count_at_least(zig, at_least)
     return lowest, highest
@@ -276,29 +322,6 @@ def distances_into(base, new, positions, is_float: bool, z, after, at_least) -> 
 def _count_at_least(value, at_least):
     for w in range(at_least.size):
         at_least[w] += value >= np.uint64((1 << (8 << w)) - 1)
-
-
-@_compiled
-def split_tier(base, new, changed, near, magnitude_mask, limit, flags, near_changed, far) -> tuple[int, int]:
-    """A tiered tensor's changes, split: for each near value (`near`, in the tier's order) a
-    flag, packed least significant bit first into `flags`, set where it changed, and those
-    positions into `near_changed`; the changes outside the tier (`changed`, sorted) into `far`.
-    Returns how many near and far changes it wrote."""
-    flags[:] = 0
-    moved = 0
-    for i in range(near.size):
-        at = near[i]
-        if base[at] != new[at]:
-            flags[i >> 3] |= np.uint8(1 << (i & 7))
-            near_changed[moved] = at
-            moved += 1
-    outside = 0
-    for i in range(changed.size):
-        at = changed[i]
-        if (base[at] & magnitude_mask) >= limit:
-            far[outside] = at
-            outside += 1
-    return moved, outside
 
 
 @_compiled
@@ -645,27 +668,33 @@ def decode_changes_into(
 
 
 @_compiled
-def near_tier(bits, positions, mantissa: int, sampled, stride: int) -> int:
-    """The exponent below which the changes at `positions` cost the fewest bits as flags over
-    the values there (the rest as gaps), or 0 when that saves under 5%: see
-    `fedrl.patch.choose_near_tier`. `sampled`: how many of every `stride`-th value have each
-    exponent field (`changed_into` counts them), scaled up."""
-    numel, changes, bins = bits.size, positions.size, sampled.size
-    changed = np.zeros(bins, np.int64)
-    for i in range(changes):
-        changed[(np.int64(bits[positions[i]]) >> mantissa) & (bins - 1)] += 1
-    scale = numel / ((numel + stride - 1) // stride)
-    best, best_bits, values_under, changes_under = 0, np.inf, 0, 0
+def near_tier(base, new, mantissa: int, bins: int, chunks: int, chunk: int) -> int:
+    """The exponent below which a tensor's changes cost the fewest bits as flags over the values
+    there (the rest as gaps), or 0 when that saves under 5%: see `fedrl.patch.choose_near_tier`.
+    Estimated from `chunks` runs of `chunk` values spread evenly over `base` and `new` (the
+    whole tensor where it is no larger): how many values have each exponent field, and how many
+    of those changed, scaled up to the tensor."""
+    n = base.size
+    values, changed = np.zeros(bins, np.int64), np.zeros(bins, np.int64)
+    runs, length = (chunks, chunk) if n > chunks * chunk else (1, n)
+    for r in range(runs):
+        start = r * (n - length) // max(runs - 1, 1)
+        for at in range(start, start + length):
+            exponent = (np.int64(base[at]) >> mantissa) & (bins - 1)
+            values[exponent] += 1
+            changed[exponent] += base[at] != new[at]
+    scale = n / (runs * length)
+    changes = changed.sum() * scale
+    best, best_bits, values_under, changes_under = 0, np.inf, 0.0, 0.0
     for below in range(1, bins):  # thresholds 1 .. bins-1: the values with exponent field < below
-        if sampled[below - 1] == 0 and changed[below - 1] == 0:
-            continue  # the cost of the one before, no better; most bins are empty (0.53 -> 0.35 ms an encode)
-        values_under += sampled[below - 1]
-        changes_under += changed[below - 1]
-        total = max(values_under * scale, changes_under)
-        cost = _flag_bits(changes_under, total) + _gap_bits(changes - changes_under, numel) + 256
+        if values[below - 1] == 0:
+            continue  # the cost of the one before, no better; most bins are empty
+        values_under += values[below - 1] * scale
+        changes_under += changed[below - 1] * scale
+        cost = _flag_bits(changes_under, values_under) + _gap_bits(changes - changes_under, n) + 256
         if cost < best_bits:
             best, best_bits = below, cost
-    return best if best_bits < 0.95 * _gap_bits(changes, numel) else 0
+    return best if best_bits < 0.95 * _gap_bits(changes, n) else 0
 
 
 @njit(inline="always")
