@@ -262,9 +262,13 @@ class _ChangesHash:
         self.hash.update(arr.view(np.uint8))
         self.pending = []
 
-    def hexdigest(self) -> str:
+    def flush(self) -> None:
+        """Hashes what is pending: the arrays added so far may change after."""
         self.hash.update(b"".join(self.pending))
         self.pending = []
+
+    def hexdigest(self) -> str:
+        self.flush()
         return self.hash.hexdigest(length=CHANGES_HASH_BYTES)
 
 
@@ -299,15 +303,17 @@ _SCRATCH = _Scratch()
 
 
 def changed_positions(base_bits: np.ndarray, new_bits: np.ndarray) -> np.ndarray:
-    """Sorted flat positions where two bit patterns differ."""
+    """Sorted flat positions where two bit patterns differ (a per-thread buffer that the next
+    tensor's encoding overwrites)."""
     out = _SCRATCH.get("positions", base_bits.size, np.int64)
-    return out[: patch_kernels.changed_into(base_bits, new_bits, out)].copy()
+    return out[: patch_kernels.changed_into(base_bits, new_bits, out)]
 
 
 def _near_pass(bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
-    """What `patch_kernels.near_into` takes after `bits`, in its order: the tier's magnitude mask
-    and bound (see `_near_limits`), the mantissa's bits, the exponent's bins, and per-thread
-    buffers for its scratch and its positions (the last), which the next call overwrites.
+    """What the near tier's passes (`patch_kernels.near_into`, and `tier_into` without the last)
+    take after `bits`: the tier's magnitude mask and bound (see `_near_limits`), the mantissa's
+    bits, the exponent's bins, and per-thread buffers for their scratch and the decoder's
+    positions (the last), which the next call overwrites.
 
     The tier lists its values by exponent, then by position. How often a value moves, and by how
     many ulps, follows its exponent, so flags and values of one exponent sit together and zstd
@@ -329,24 +335,29 @@ def _near_pass(bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
 def tier_changes(base_bits: np.ndarray, new_bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
     """A tiered tensor's changes (`patch_kernels.tier_into`, one pass over base and new): the
     near tier's flags; the near values that changed, in the tier's order, and their bits before
-    and after; and the far changes."""
+    and after; and the far changes (the last four in per-thread buffers that the next tensor's
+    encoding overwrites)."""
     size, word = base_bits.size, base_bits.dtype
-    near, far = _SCRATCH.get("near", size, np.int64), _SCRATCH.get("far", size, np.int64)
-    values = _SCRATCH.get("values", 2 * size, word).reshape(2, size)
+    near, far = _SCRATCH.get("near", size + 1, np.int64), _SCRATCH.get("far", size, np.int64)
+    values = _SCRATCH.get("values", 2 * (size + 1), word).reshape(2, size + 1)
     flags = _SCRATCH.get("flags", (size + 7) // 8, np.uint8)
     held, moved, outside = patch_kernels.tier_into(
         base_bits,
         new_bits,
         *_near_pass(base_bits, dtype, below)[:-1],
-        _SCRATCH.get("positions", size, np.int64),
-        _SCRATCH.get("kept", 4 * size, word).reshape(4, size),
+        _SCRATCH.get("kept", 2 * size, word).reshape(2, size),
         flags,
         near,
         values,
         far,
     )
-    copies = (near[:moved].copy(), values[0, :moved].copy(), values[1, :moved].copy(), far[:outside].copy())
-    return flags[: (held + 7) // 8].tobytes(), *copies
+    return (
+        flags[: (held + 7) // 8].tobytes(),
+        near[:moved],
+        values[0, :moved],
+        values[1, :moved],
+        far[:outside],
+    )
 
 
 # ---------------------------------------------------------------- index coding
@@ -574,12 +585,14 @@ def encode_patch(
     names = sorted(new)
     hash_it = target_hash is None
     digests: dict[str, bytes] = {}  # each taken right after the tensor was encoded, while in cache
-    entries, sections, written = [], [], []
+    entries, sections, written = [], [], _ChangesHash()
 
     def carry(entry: dict, parts: list[bytes], writes: list[np.ndarray]) -> None:
         entries.append({**entry, "sizes": [len(data) for data in parts]})
         sections.extend(parts)
-        written.extend(writes)
+        for arr in writes:
+            written.add(arr)
+        written.flush()  # `writes` may be scratch that the next tensor's encoding overwrites
 
     joined: set[str] = set()
     for dtype, members in joint_members(base).items() if base else ():
@@ -608,7 +621,7 @@ def encode_patch(
         "base_hash": (base_hash or state_hash(base)) if base else EMPTY_HASH,
         "target_version": target_version,
         "target_hash": target_hash,
-        **({"changes_hash": changes_hash(written)} if base else {}),
+        **({"changes_hash": written.hexdigest()} if base else {}),
         "tensors": entries,
     }
     header_bytes = json.dumps(header, separators=(",", ":")).encode()

@@ -60,21 +60,26 @@ def test_the_block_compares_refuse_arrays_they_cannot_read_as_whole_unsigned_vec
         )
 
 
+def tier_order(bits: np.ndarray, below: int) -> tuple[np.ndarray, tuple]:
+    """The near tier's positions in numpy (by exponent field, then position), and the tier's
+    arguments to the kernels: its magnitude mask and bound, the mantissa's bits and the bins."""
+    mantissa, exponent = FLOAT_LAYOUT[bits.dtype.itemsize]
+    word, bins = bits.dtype.type, 1 << exponent
+    magnitude_mask, limit = word((1 << (mantissa + exponent)) - 1), word((below % bins) << mantissa)
+    near = np.flatnonzero((bits & magnitude_mask) < limit)
+    field = (bits[near] >> word(mantissa)) & word(bins - 1)
+    return near[np.argsort(field, kind="stable")], (magnitude_mask, limit, mantissa, bins)
+
+
 @settings(max_examples=200, deadline=None)
 @given(bit_arrays(), st.integers(0, 2**11 - 1))
 def test_near_positions_are_by_exponent_then_position(arrays, below):
     bits, _ = arrays
     if bits.dtype.itemsize == 1:
         return  # no float is one byte wide
-    mantissa, exponent = FLOAT_LAYOUT[bits.dtype.itemsize]
-    below %= 1 << exponent
-    word = bits.dtype.type
-    magnitude_mask, limit = word((1 << (mantissa + exponent)) - 1), word(below << mantissa)
+    order, tier = tier_order(bits, below)
     found, out = np.empty(bits.size, np.int64), np.full(bits.size, -1, np.int64)
-    count = patch_kernels.near_into(bits, magnitude_mask, limit, mantissa, 1 << exponent, found, out)
-    near = np.flatnonzero((bits & magnitude_mask) < limit)
-    field = (bits[near] >> word(mantissa)) & word((1 << exponent) - 1)
-    assert np.array_equal(out[:count], near[np.argsort(field, kind="stable")])
+    assert np.array_equal(out[: patch_kernels.near_into(bits, *tier, found, out)], order)
 
 
 def planes(values: np.ndarray, width) -> np.ndarray:
@@ -186,42 +191,21 @@ def test_distances_are_the_zigzagged_key_differences(arrays, is_float, seed):
 @settings(max_examples=200, deadline=None)
 @given(bit_arrays(), st.integers(0, 2**11 - 1))
 def test_one_tier_pass_flags_the_near_values_that_changed_and_keeps_the_rest_as_far(arrays, below):
-    """Against numpy and `near_into` (the decoder's pass): the flags in the tier's order, the near
-    changes in that order with their bits before and after, the far changes sorted."""
+    """Against numpy: the flags in the tier's order, the near changes in that order with their
+    bits before and after, the far changes sorted; and the decoder's pass reads them back."""
     base, new = arrays
     if base.dtype.itemsize == 1:
         return  # no float is one byte wide
-    mantissa, exponent = FLOAT_LAYOUT[base.dtype.itemsize]
-    word, size = base.dtype.type, base.size
-    bins = 1 << exponent
-    magnitude_mask, limit = word((1 << (mantissa + exponent)) - 1), word((below % bins) << mantissa)
-    near_order = np.empty(size, np.int64)
-    held = patch_kernels.near_into(
-        base, magnitude_mask, limit, mantissa, bins, np.empty(size, np.int64), near_order
-    )
-    near_order = near_order[:held]
-    found, order, kept = np.empty(size, np.int64), np.empty(size, np.int64), np.empty((4, size), base.dtype)
+    near_order, tier = tier_order(base, below)
+    held, size, (magnitude_mask, limit) = near_order.size, base.size, tier[:2]
+    found, kept = np.empty(size, np.int64), np.empty((2, size), base.dtype)
     flags, near, values, far = (
         np.full((size + 7) // 8, 255, np.uint8),
-        np.full(size, -1, np.int64),
-        np.empty((2, size), base.dtype),
+        np.full(size + 1, -1, np.int64),
+        np.empty((2, size + 1), base.dtype),
         np.full(size, -1, np.int64),
     )
-    count, moved, outside = patch_kernels.tier_into(
-        base,
-        new,
-        magnitude_mask,
-        limit,
-        mantissa,
-        1 << exponent,
-        found,
-        order,
-        kept,
-        flags,
-        near,
-        values,
-        far,
-    )
+    count, moved, outside = patch_kernels.tier_into(base, new, *tier, found, kept, flags, near, values, far)
     differs = base[near_order] != new[near_order]
     assert count == held
     assert np.array_equal(flags[: (held + 7) // 8], np.packbits(differs, bitorder="little"))
@@ -230,8 +214,8 @@ def test_one_tier_pass_flags_the_near_values_that_changed_and_keeps_the_rest_as_
     assert np.array_equal(values[1, :moved], new[near_order[differs]])
     changed = np.flatnonzero(base != new)
     assert np.array_equal(far[:outside], changed[(base[changed] & magnitude_mask) >= limit])
-    kept_positions = near_order.copy()  # the decoder's way back: the flagged positions, in the tier's order
-    assert np.array_equal(kept_positions[: patch_kernels.flagged_into(kept_positions, flags)], near[:moved])
+    back = near_order.copy()  # the decoder's way back: the flagged positions, in the tier's order
+    assert np.array_equal(back[: patch_kernels.flagged_into(back, flags)], near[:moved])
 
 
 def _all_ones(dtype) -> int:
