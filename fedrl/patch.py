@@ -698,9 +698,10 @@ def _encode_changes(
     below = choose_near_tier(base_bits, new_bits, dtype)
     if below:
         flags, near, near_before, near_after, idx = tier_changes(base_bits, new_bits, dtype, below)
+        count = idx.size + near.size
     else:
         idx = changed_positions(base_bits, new_bits)
-    count = idx.size + (near.size if below else 0)
+        count = idx.size
     if count == 0:
         return None
     entry: dict = {"mode": "tiered" if below else "sparse", "count": count}

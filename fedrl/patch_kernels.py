@@ -666,15 +666,15 @@ def decode_changes_into(
 
 
 @_compiled
-def near_tier(base, new, mantissa: int, bins: int, chunks: int, chunk: int) -> int:
+def near_tier(base, new, mantissa: int, bins: int, runs: int, run: int) -> int:
     """The exponent below which a tensor's changes cost the fewest bits as flags over the values
     there (the rest as gaps), or 0 when that saves under 5%: see `fedrl.patch.choose_near_tier`.
-    Estimated from `chunks` runs of `chunk` values spread evenly over `base` and `new` (the
-    whole tensor where it is no larger): how many values have each exponent field, and how many
-    of those changed, scaled up to the tensor."""
+    Estimated from `runs` runs of `run` values spread evenly over `base` and `new` (the whole
+    tensor where it is no larger): how many values have each exponent field, and how many of
+    those changed, scaled up to the tensor."""
     n = base.size
     counts, changed = np.zeros((4, bins), np.int64), np.zeros(bins, np.int64)
-    runs, length = (chunks, chunk) if n > chunks * chunk else (1, n)
+    runs, length = (runs, run) if n > runs * run else (1, n)
     for r in range(runs):
         start = r * (n - length) // max(runs - 1, 1)
         for at in range(start, start + length):

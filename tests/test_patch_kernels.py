@@ -32,11 +32,6 @@ def bit_arrays(draw):
 FLOAT_LAYOUT = {2: (7, 8), 4: (23, 8), 8: (52, 11)}  # mantissa and exponent bits by width (bf16)
 
 
-def exponent_fields(bits: np.ndarray) -> np.ndarray:
-    mantissa, exponent = FLOAT_LAYOUT[bits.dtype.itemsize]
-    return ((bits >> bits.dtype.type(mantissa)) & bits.dtype.type((1 << exponent) - 1)).astype(np.int64)
-
-
 @settings(max_examples=200, deadline=None)
 @given(bit_arrays())
 def test_changed_positions_are_where_the_patterns_differ(arrays):
@@ -216,10 +211,6 @@ def test_one_tier_pass_flags_the_near_values_that_changed_and_keeps_the_rest_as_
     assert np.array_equal(far[:outside], changed[(base[changed] & magnitude_mask) >= limit])
     back = near_order.copy()  # the decoder's way back: the flagged positions, in the tier's order
     assert np.array_equal(back[: patch_kernels.flagged_into(back, flags)], near[:moved])
-
-
-def _all_ones(dtype) -> int:
-    return int(np.iinfo(dtype).max)
 
 
 @settings(max_examples=200, deadline=None)
