@@ -310,10 +310,9 @@ def changed_positions(base_bits: np.ndarray, new_bits: np.ndarray) -> np.ndarray
 
 
 def _near_pass(bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
-    """What the near tier's passes (`patch_kernels.near_into`, and `tier_into` without the last)
-    take after `bits`: the tier's magnitude mask and bound (see `_near_limits`), the mantissa's
-    bits, the exponent's bins, and per-thread buffers for their scratch and the decoder's
-    positions (the last), which the next call overwrites.
+    """What the near tier's passes (`patch_kernels.near_into`, `tier_into`) take after `bits`:
+    the tier's magnitude mask and bound (see `_near_limits`), the mantissa's bits, the
+    exponent's bins, and a per-thread buffer for their scratch, which the next call overwrites.
 
     The tier lists its values by exponent, then by position. How often a value moves, and by how
     many ulps, follows its exponent, so flags and values of one exponent sit together and zstd
@@ -321,15 +320,7 @@ def _near_pass(bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
     position order they were 4-48% larger (flags alone in position order: 1-28%)."""
     mantissa, exponent = _FLOAT_LAYOUT[dtype]
     magnitude_mask, limit = _near_limits(bits, dtype, below)
-    found = _SCRATCH.get("found", bits.size, np.int64)
-    return (
-        magnitude_mask,
-        limit,
-        mantissa,
-        1 << exponent,
-        found,
-        _SCRATCH.get("positions", bits.size, np.int64),
-    )
+    return magnitude_mask, limit, mantissa, 1 << exponent, _SCRATCH.get("found", bits.size, np.int64)
 
 
 def tier_changes(base_bits: np.ndarray, new_bits: np.ndarray, dtype: torch.dtype, below: int) -> tuple:
@@ -344,7 +335,7 @@ def tier_changes(base_bits: np.ndarray, new_bits: np.ndarray, dtype: torch.dtype
     held, moved, outside = patch_kernels.tier_into(
         base_bits,
         new_bits,
-        *_near_pass(base_bits, dtype, below)[:-1],
+        *_near_pass(base_bits, dtype, below),
         _SCRATCH.get("kept", 2 * size, word).reshape(2, size),
         flags,
         near,
@@ -1105,7 +1096,7 @@ def _decode_changes(
         name, e["values_as"], e["value_width"], parts["values"], parts["value_escapes"], bits.dtype
     )
     if tiered:
-        tier = _near_pass(bits, dtype, e["below"])
+        tier = (*_near_pass(bits, dtype, e["below"]), _SCRATCH.get("positions", bits.size, np.int64))
         flags = np.frombuffer(parts["near_flags"], np.uint8)
         near_values = _value_stream(
             name, e["near_as"], e["near_width"], parts["near_values"], parts["near_escapes"], bits.dtype
